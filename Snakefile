@@ -1,0 +1,23 @@
+# kvlab: which KV-cache compression is safe for which task — measured on real models.
+#   snakemake --cores 1 results/report.html                  (default preset)
+#   snakemake --cores 1 results/report.html --config preset=smoke
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "rules/common.smk"
+include: "rules/models.smk"
+include: "rules/evaluate.smk"
+include: "rules/accounting.smk"
+include: "rules/collect.smk"
+include: "rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        "results/report.html",

@@ -1,0 +1,1 @@
+"""Shared numerics of kvlab, installed as ``kvlab.kernels`` (see pyproject)."""

@@ -1,0 +1,22 @@
+rule collect:
+    input:
+        rows=eval_rows(),
+        model_dirs=model_dirs(),
+        costs="results/accounting/costs.parquet",
+        benchmarks=[
+            f"results/benchmarks/evaluate/{p.removeprefix('results/eval/').removesuffix('.parquet')}.tsv"
+            for p in eval_rows()
+        ]
+        + [f"results/benchmarks/acquire_model/{m}.tsv" for m in MODELS],
+    output:
+        db="results/kvlab.duckdb",
+    params:
+        config=config,
+        benchmark_root="results/benchmarks",
+    log:
+        "logs/collect.log",
+    localrule: True
+    conda:
+        "../envs/kvlab.yaml"
+    script:
+        "../workflow/collect.py"

@@ -1,0 +1,35 @@
+# Config validation and the helpers the rules share. Logic beyond a few lines lives in the kvlab package.
+import re
+
+from snakemake.exceptions import WorkflowError
+
+from kvlab.config import ConfigError, resolve
+
+try:
+    config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
+except ConfigError as error:
+    raise WorkflowError(f"kvlab {error}") from None
+
+MODELS = list(config["models"])
+TASKS = list(config["tasks"])
+
+
+wildcard_constraints:
+    model="|".join(map(re.escape, MODELS)),
+    task="|".join(map(re.escape, TASKS)),
+    ctx=r"\d+",
+
+
+def eval_rows():
+    """One Parquet file per (model, task, context length)."""
+    return [
+        f"results/eval/{model}/{task}/{ctx}.parquet"
+        for model in MODELS
+        for task, spec in config["tasks"].items()
+        for ctx in spec["context_tokens"]
+    ]
+
+
+def model_dirs():
+    """Acquired model folders (each holds card.json)."""
+    return [f"resources/models/{model}" for model in MODELS]

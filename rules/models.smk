@@ -1,0 +1,17 @@
+rule acquire_model:
+    output:
+        model_dir=directory("resources/models/{model}"),
+    params:
+        spec=lambda w: config["models"][w.model],
+    log:
+        "logs/acquire_model/{model}.log",
+    benchmark:
+        "results/benchmarks/acquire_model/{model}.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=30,
+    conda:
+        "../envs/kvlab.yaml"
+    script:
+        "../workflow/acquire_model.py"

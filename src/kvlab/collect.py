@@ -1,0 +1,88 @@
+"""Build results/kvlab.duckdb from the per-job files. Only this step writes the database."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import duckdb
+import pandas as pd
+
+from kvlab.io import atomic_path
+from kvlab.models.card import read_card
+
+PACKAGES = ("torch", "transformers", "kvpress", "snakemake", "duckdb", "altair", "triton", "kvlab")
+
+
+def config_hash(config: dict) -> str:
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def provenance(config: dict, root: str | Path = ".") -> pd.DataFrame:
+    """Config hash, preset, package versions and git commit, as key/value rows."""
+    rows = {"config_hash": config_hash(config), "preset": config.get("preset", "default")}
+    for pkg in PACKAGES:
+        try:
+            rows[f"version:{pkg}"] = version(pkg)
+        except PackageNotFoundError:
+            rows[f"version:{pkg}"] = "not installed"
+    rows["git_commit"] = _git(root, "rev-parse", "HEAD") or "unknown (not a git checkout)"
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    rows["git_dirty"] = "yes" if dirty else "no"
+    return pd.DataFrame({"key": list(rows), "value": [str(v) for v in rows.values()]})
+
+
+def _git(root, *args) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def read_benchmarks(paths: list[str | Path], root: str | Path) -> pd.DataFrame:
+    """Snakemake `benchmark:` files (wall time, max RSS); `job` is the path below `root`, e.g. evaluate/m/t/1024."""
+    frames = []
+    for p in paths:
+        p = Path(p)
+        frame = pd.read_csv(p, sep="\t")
+        frame.insert(0, "job", p.relative_to(root).with_suffix("").as_posix())
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["job", "s"])
+
+
+def build(
+    db_path: str | Path,
+    eval_files: list,
+    model_dirs: list,
+    cost_file: str | Path,
+    benchmark_files: list,
+    benchmark_root: str | Path,
+    config: dict,
+) -> None:
+    """Write every table the report reads: eval, models, costs, benchmarks, provenance."""
+    cards = [read_card(d) for d in model_dirs]
+    models = pd.DataFrame(
+        [{**{k: v for k, v in c.items() if k not in ("layer_types", "rope", "source")},
+          "layer_types": json.dumps(c["layer_types"]), "rope": json.dumps(c["rope"]), "source": json.dumps(c["source"])}
+         for c in cards]
+    )
+    tables = {
+        "eval": pd.concat([pd.read_parquet(f) for f in eval_files], ignore_index=True),
+        "models": models,
+        "costs": pd.read_parquet(cost_file),
+        "benchmarks": read_benchmarks(benchmark_files, benchmark_root),
+        "provenance": provenance(config),
+    }
+    with atomic_path(db_path) as tmp:
+        tmp.unlink()  # duckdb wants to create the file itself
+        con = duckdb.connect(str(tmp))
+        try:
+            for name, frame in tables.items():
+                con.register("frame", frame)
+                con.execute(f"CREATE TABLE {name} AS SELECT * FROM frame")
+                con.unregister("frame")
+        finally:
+            con.close()

@@ -1,0 +1,146 @@
+"""Config loading: pick the preset, validate against the JSON schema (Snakemake's `validate`, which
+also fills defaults), and turn the first problem into one line naming the key and what is allowed."""
+
+from __future__ import annotations
+
+import ast
+import copy
+import importlib.util
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem, described in one line."""
+
+
+def resolve(config: dict, schema_path: str | Path) -> dict:
+    """Return the validated config with the selected preset applied and defaults filled.
+
+    Every preset is checked, not only the selected one, so a broken preset is found before it is used.
+    """
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    base = copy.deepcopy(config)
+    _validate(base, schema, where="config")
+    presets = base.get("presets", {})
+    name = base.get("preset", "default")
+    if name != "default" and name not in presets:
+        raise ConfigError(f"config key 'preset': unknown preset '{name}'; allowed: {', '.join(['default', *presets])}")
+    resolved = None
+    for pname, overrides in {"default": {}, **presets}.items():
+        candidate = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
+        candidate.update(copy.deepcopy(overrides))
+        candidate["preset"] = pname
+        _validate(candidate, schema, where=f"preset '{pname}'")
+        _check_semantics(candidate, where=f"preset '{pname}'")
+        if pname == name:
+            resolved = candidate
+    resolved["presets"] = presets
+    return resolved
+
+
+def _validate(data: dict, schema: dict, where: str) -> None:
+    # Snakemake's validate fills defaults; on failure we re-run jsonschema to word the error ourselves.
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    try:
+        validate(data, _schema_file(schema))
+    except WorkflowError:
+        error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
+        raise ConfigError(f"{where}: {describe(error, schema)}") from None
+
+
+_SCHEMA_FILES: dict[int, str] = {}
+
+
+def _schema_file(schema: dict) -> str:
+    """Snakemake's validate takes a path: keep one temp copy of the (already parsed) schema per process."""
+    import json
+    import tempfile
+
+    key = id(schema)
+    if key not in _SCHEMA_FILES:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(schema, f)
+        _SCHEMA_FILES[key] = f.name
+    return _SCHEMA_FILES[key]
+
+
+def describe(error: jsonschema.ValidationError, schema: dict) -> str:
+    """One line: the key path, what is wrong, what would be right."""
+    path = _path(error.absolute_path)
+    v = error.validator
+    if v == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        extra = sorted(set(error.instance) - set(allowed))
+        where = f"under '{path}'" if path else "at top level"
+        return f"unknown key {', '.join(repr(k) for k in extra)} {where}; allowed: {', '.join(allowed)}"
+    if v == "enum":
+        return f"key '{path}': {error.instance!r} is not allowed; allowed: {', '.join(map(str, error.validator_value))}"
+    if v == "const":
+        return f"key '{path}': {error.instance!r} must be {error.validator_value!r}"
+    if v == "type":
+        return f"key '{path}': expected {error.validator_value}, got {type(error.instance).__name__} {error.instance!r}"
+    if v == "required":
+        missing = error.message.split("'")[1]
+        return f"key '{path or 'config'}': missing required key '{missing}'"
+    if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
+        op = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<", "multipleOf": "a multiple of"}[v]
+        return f"key '{path}': {error.instance!r} must be {op} {error.validator_value}"
+    if v == "pattern":
+        return f"key '{path}': {error.instance!r} does not match {error.validator_value}"
+    if v in ("minItems", "minProperties"):
+        return f"key '{path}': must not be empty"
+    if v == "uniqueItems":
+        return f"key '{path}': values must be unique, got {error.instance!r}"
+    return f"key '{path}': {error.message}"
+
+
+def _path(parts) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def _check_semantics(config: dict, where: str) -> None:
+    """Checks a schema cannot express."""
+    presses = kvpress_press_names()
+    for name, method in config["methods"].items():
+        if method["kind"] == "kvpress":
+            press = method["press"]
+            if press not in presses:
+                close = [p for p in presses if p.lower().startswith(press.lower()[:4])]
+                hint = f"; did you mean {', '.join(close)}?" if close else f"; kvpress has: {', '.join(sorted(presses))}"
+                raise ConfigError(f"{where}: key 'methods.{name}.press': kvpress has no press '{press}'{hint}")
+            if "compression_ratio" in method.get("kwargs", {}):
+                raise ConfigError(
+                    f"{where}: key 'methods.{name}.kwargs.compression_ratio': set by `budgets`, remove it here"
+                )
+    if "full" not in {m["kind"] for m in config["methods"].values()}:
+        raise ConfigError(f"{where}: key 'methods': needs one method of kind 'full' (the uncompressed reference)")
+    for name, task in config["tasks"].items():
+        for n in task["context_tokens"]:
+            for model, spec in config["models"].items():
+                limit = spec.get("max_position_embeddings")
+                if limit and n > limit:
+                    raise ConfigError(
+                        f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
+                        f"max_position_embeddings {limit}"
+                    )
+
+
+def kvpress_press_names() -> set[str]:
+    """Press classes kvpress exports, read from its __init__ without importing it (an import takes ~6 s)."""
+    spec = importlib.util.find_spec("kvpress")
+    if spec is None or spec.origin is None:
+        raise ConfigError("kvpress is not installed; run `make setup`")
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    return {n for n in names if n.endswith("Press")}

@@ -1,0 +1,79 @@
+"""One evaluation job: a model × a task × a context length, every method × budget × question mode.
+Writes one Parquet file, one row per (sample, variant, question mode)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from kvlab.engine import evaluate_sample
+from kvlab.io import atomic_path
+from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
+from kvlab.methods import variants
+from kvlab.models.card import read_card
+from kvlab.tasks import GENERATORS
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_model(model_dir: str | Path, dtype: str, device: str):
+    """The acquired model and tokenizer, in eval mode on `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("config device is 'cuda' but torch sees no CUDA device; set device: cpu")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    return model, tokenizer
+
+
+def run_job(
+    model_dir: str | Path,
+    task: str,
+    task_spec: dict,
+    context_tokens: int,
+    run: dict,
+    out_path: str | Path,
+) -> pd.DataFrame:
+    """Evaluate every configured variant on the task's samples; write the rows to `out_path` (Parquet).
+
+    `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads.
+    """
+    torch.set_num_threads(run["threads"])
+    card = read_card(model_dir)
+    model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
+    samples = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)
+    grid = variants(run["methods"], run["budgets"])
+    log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
+    rows = []
+    t0 = time.perf_counter()
+    for sample in tqdm(samples, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample"):
+        rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], run["max_new_tokens"]))
+    frame = pd.DataFrame(rows)
+    frame.insert(0, "model", card["name"])
+    frame["dtype"] = run["dtype"]
+    geom = KVGeometry.from_card(card)  # the byte-accounting formula beside the measured bytes
+    frame["kv_bytes_formula"] = [
+        context_bytes(geom, Scheme.dense(run["dtype"]).with_keep(b), n)
+        for b, n in zip(frame["budget"], frame["compressed_tokens"])
+    ]
+    frame["device"] = device_name(run["device"])
+    log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
+    with atomic_path(out_path) as tmp:
+        frame.to_parquet(tmp, index=False)
+    return frame
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

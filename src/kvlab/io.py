@@ -1,0 +1,44 @@
+"""Small I/O helpers: atomic writes (nothing half-written) and logging set-up for rule scripts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+
+@contextmanager
+def atomic_path(path: str | Path):
+    """Yield a temporary path beside `path`; move it into place only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        if os.path.isfile(tmp):
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file normal permissions
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def log_to(path: str | Path | None) -> None:
+    """Send logging (and warnings) of a rule script to its log file as well as stderr."""
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(path, mode="w"))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", handlers=handlers, force=True)
+    logging.captureWarnings(True)
+
+    def excepthook(kind, value, tb):  # a failing script leaves its traceback in the rule's log too
+        logging.getLogger("kvlab").error("failed", exc_info=(kind, value, tb))
+
+    sys.excepthook = excepthook

@@ -1,0 +1,158 @@
+"""results/report.html: one self-contained page from results/kvlab.duckdb.
+
+Charts are Altair specs rendered to inline SVG with vl-convert, so the page needs no script and no
+network. Every table and chart comes from a named query in queries.sql, shown under it.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from importlib.resources import files
+from pathlib import Path
+
+import altair as alt
+import duckdb
+import pandas as pd
+import vl_convert
+
+from kvlab.io import atomic_path
+
+TOLERANCE_POINTS = 1.0  # "safe" = within this many accuracy points of the full cache
+
+
+def load_queries() -> dict[str, str]:
+    text = files("kvlab.report").joinpath("queries.sql").read_text()
+    blocks = re.split(r"^-- name: (\w+)\n", text, flags=re.M)[1:]
+    return {name: sql.strip() for name, sql in zip(blocks[::2], blocks[1::2])}
+
+
+def esc(value) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def table(frame: pd.DataFrame, formats: dict | None = None) -> str:
+    formats = formats or {}
+    head = "".join(f"<th>{esc(c)}</th>" for c in frame.columns)
+    body = []
+    for _, row in frame.iterrows():
+        cells = []
+        for col in frame.columns:
+            v = row[col]
+            if pd.isna(v) if not isinstance(v, (list, dict)) else False:
+                text = ""
+            elif col in formats:
+                text = formats[col](v)
+            elif isinstance(v, float):
+                text = f"{v:,.4g}"
+            elif isinstance(v, int) or (hasattr(v, "dtype") and "int" in str(getattr(v, "dtype", ""))):
+                text = f"{int(v):,}"
+            else:
+                text = str(v)
+            cells.append(f"<td>{esc(text)}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def svg(chart: alt.TopLevelMixin) -> str:
+    return vl_convert.vegalite_to_svg(chart.to_dict())
+
+
+def accuracy_chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
+    """Accuracy vs fraction of KV kept, one line per method, full cache as a dashed rule."""
+    data = acc.assign(panel=acc["task"] + " · " + acc["context_tokens"].astype(str) + " tok · " + acc["question_mode"])
+    base = alt.Chart(data)
+    lines = base.transform_filter(alt.datum.budget < 1).mark_line(point=True).encode(
+        x=alt.X("budget:Q", title="fraction of KV kept", scale=alt.Scale(domain=[0, 1])),
+        y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
+        color=alt.Color("method:N", title="method"),
+        tooltip=["method", "budget", "accuracy", "samples"],
+    )
+    full = base.transform_filter(alt.datum.budget == 1).mark_rule(strokeDash=[4, 3], color="black").encode(y="accuracy:Q")
+    return alt.layer(lines, full).properties(width=260, height=180).facet(
+        facet=alt.Facet("panel:N", title=None), columns=3
+    )
+
+
+def section(title: str, body: str, sql: str | None = None) -> str:
+    query = f"<details><summary>query</summary><pre>{esc(sql)}</pre></details>" if sql else ""
+    return f"<section><h2>{esc(title)}</h2>{body}{query}</section>"
+
+
+def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> str:
+    names = ", ".join(models["name"])
+    grid = (
+        f"tasks {', '.join(sorted(acc['task'].unique()))}; context {', '.join(map(str, sorted(acc['context_tokens'].unique())))} "
+        f"tokens; methods {', '.join(sorted(acc['method'].unique()))}; budgets "
+        f"{', '.join(f'{b:g}' for b in sorted(acc['budget'].unique(), reverse=True))}; question modes "
+        f"{', '.join(sorted(acc['question_mode'].unique()))}"
+    )
+    items = []
+    for (model, task, ctx, mode, method), g in versus.groupby(["model", "task", "context_tokens", "question_mode", "method"]):
+        safe = g[g["delta_points"] >= -TOLERANCE_POINTS]
+        verdict = (
+            f"safe down to {safe['budget'].min():g} of the KV cache" if len(safe) else "not safe at any measured budget"
+        )
+        detail = ", ".join(f"{b:g} → {a:.0%}" for b, a in zip(g["budget"], g["accuracy"]))
+        items.append(
+            f"<li><b>{esc(method)}</b> on {esc(model)} / {esc(task)} @ {ctx} tokens, question {esc(mode)}: "
+            f"{esc(verdict)} (full cache {g['full_accuracy'].iloc[0]:.0%}; {esc(detail)})</li>"
+        )
+    return (
+        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
+        f"<p>Safe means within {TOLERANCE_POINTS:g} accuracy point of the full cache on the same samples.</p>"
+        f"<ul>{''.join(items)}</ul>"
+    )
+
+
+CSS = """
+body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{background:#f7f7f7;padding:.6em;font-size:12px;overflow:auto}
+details{margin:.3em 0 1em}section{margin-bottom:2em}.note{color:#555;font-size:13px}
+"""
+
+
+def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
+    queries = load_queries()
+    con = duckdb.connect(str(db_path), read_only=True)
+    try:
+        q = {name: con.execute(sql).df() for name, sql in queries.items()}
+    finally:
+        con.close()
+    prov = dict(zip(q["provenance"]["key"], q["provenance"]["value"]))
+    parts = [
+        f"<h1>{esc(title)}</h1>",
+        f"<p class='note'>Generated from results/kvlab.duckdb · config {esc(prov.get('config_hash'))} · "
+        f"preset {esc(prov.get('preset'))} · commit {esc(prov.get('git_commit', '')[:12])}</p>",
+        section("Summary", summary(q["versus_full"], q["models"], q["accuracy"]), queries["versus_full"]),
+        section(
+            "Accuracy vs KV budget",
+            svg(accuracy_chart(q["accuracy"]))
+            + "<p class='note'>Dashed line: full cache. Question agnostic: the context was compressed before the "
+            "question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's observation window).</p>"
+            + table(q["accuracy"]),
+            queries["accuracy"],
+        ),
+        section(
+            "Cost table (article §8, recomputed)",
+            "<p>Bytes per token = 2 × layers × KV heads × head_dim × bytes per element, plus group metadata "
+            "for integer schemes; the article's printed figure beside ours.</p>" + table(q["cost_article"]),
+            queries["cost_article"],
+        ),
+        section("Cost table for the evaluated models", table(q["cost_models"]), queries["cost_models"]),
+        section(
+            "Measured cache bytes vs the formula",
+            "<p>Bytes summed from the stored key/value tensors after compression, beside "
+            "kvlab.kernels.accounting for the same token count and dtype.</p>" + table(q["bytes_measured"]),
+            queries["bytes_measured"],
+        ),
+        section("Models", table(q["models"]), queries["models"]),
+        section("Provenance", table(q["provenance"]) + "<h3>Wall time per job</h3>" + table(q["timings"]), queries["timings"]),
+    ]
+    page = (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>{esc(title)}</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    with atomic_path(out_path) as tmp:
+        tmp.write_text(page, encoding="utf-8")

@@ -1,0 +1,34 @@
+"""RULER-style substring scorers, applied after removing control characters."""
+
+from __future__ import annotations
+
+import re
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def clean(text: str) -> str:
+    return _CONTROL.sub(" ", text).strip()
+
+
+def string_match_all(prediction: str, gold: list[str]) -> float:
+    """Fraction of gold strings found (case-insensitive) in the prediction."""
+    if not gold:
+        raise ValueError("string_match_all needs at least one gold answer")
+    pred = clean(prediction).lower()
+    return sum(g.lower() in pred for g in gold) / len(gold)
+
+
+def string_match_part(prediction: str, gold: list[str]) -> float:
+    """1.0 if any gold string occurs (case-insensitive) in the prediction, else 0.0."""
+    if not gold:
+        raise ValueError("string_match_part needs at least one gold answer")
+    pred = clean(prediction).lower()
+    return float(any(g.lower() in pred for g in gold))
+
+
+SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+
+
+def score(metric: str, prediction: str, gold: list[str]) -> float:
+    return SCORERS[metric](prediction, gold)

@@ -1,0 +1,15 @@
+"""Rule collect: every Parquet file, model card and benchmark → results/kvlab.duckdb."""
+
+from kvlab.collect import build
+from kvlab.io import log_to
+
+log_to(snakemake.log[0])  # noqa: F821
+build(
+    db_path=snakemake.output.db,  # noqa: F821
+    eval_files=snakemake.input.rows,  # noqa: F821
+    model_dirs=snakemake.input.model_dirs,  # noqa: F821
+    cost_file=snakemake.input.costs,  # noqa: F821
+    benchmark_files=snakemake.input.benchmarks,  # noqa: F821
+    benchmark_root=snakemake.params.benchmark_root,  # noqa: F821
+    config=snakemake.params.config,  # noqa: F821
+)

@@ -1,0 +1,16 @@
+"""Rule evaluate: one model × task × context length → results/eval/{model}/{task}/{ctx}.parquet."""
+
+from kvlab.io import log_to
+
+log_to(snakemake.log[0])  # noqa: F821
+
+from kvlab.evaluate import run_job  # noqa: E402
+
+run_job(
+    model_dir=snakemake.input.model_dir,  # noqa: F821
+    task=snakemake.wildcards.task,  # noqa: F821
+    task_spec=snakemake.params.task,  # noqa: F821
+    context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
+    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    out_path=snakemake.output.rows,  # noqa: F821
+)
