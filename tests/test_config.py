@@ -1,0 +1,96 @@
+"""Config validation: defaults filled, presets applied, and each bad input stopped with one line."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvlab.config import ConfigError, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "workflow" / "config.schema.yaml"
+
+
+@pytest.fixture
+def config():
+    return yaml.safe_load((ROOT / "config.yaml").read_text())
+
+
+def test_default_config_is_valid_and_defaults_filled(config):
+    del config["budgets"], config["max_new_tokens"]
+    out = resolve(config, SCHEMA)
+    assert out["preset"] == "default"
+    assert out["budgets"] == [0.5, 0.25, 0.1]
+    assert out["max_new_tokens"] == 16
+    assert out["models"]["qwen2.5-0.5b"]["dtype"] == "float32"
+    assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 64, "kernel_size": 5}
+
+
+def test_preset_replaces_top_level_keys(config):
+    config["preset"] = "smoke"
+    out = resolve(config, SCHEMA)
+    assert list(out["models"]) == ["tiny-qwen2"]
+    assert out["models"]["tiny-qwen2"]["seed"] == 0  # default filled inside the preset too
+    assert out["methods"] == resolve({**config, "preset": "default"}, SCHEMA)["methods"]
+
+
+def edit(config, path, value):
+    node = config
+    *head, last = path
+    for key in head:
+        node = node[key]
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return config
+
+
+DELETE = object()
+
+BAD = [
+    (("budgets",), [1.5], "config: key 'budgets[0]': 1.5 must be <= 1"),
+    (("budgets",), [0], "config: key 'budgets[0]': 0 must be > 0"),
+    (("question_modes",), ["sometimes"], "config: key 'question_modes[0]': 'sometimes' is not allowed; allowed: agnostic, aware"),
+    (("device",), "tpu", "config: key 'device': 'tpu' is not allowed; allowed: cpu, cuda"),
+    (("max_new_tokens",), "many", "config: key 'max_new_tokens': expected integer, got str 'many'"),
+    (("methods", "snapkv", "kwarg"), {}, "config: unknown key 'kwarg' under 'methods.snapkv'; allowed: kind, kwargs, press"),
+    (("methods", "snapkv", "press"), "SnapKV", "config: key 'methods.snapkv.press': 'SnapKV' does not match ^[A-Z][A-Za-z0-9]*Press$"),
+    (("methods", "snapkv", "press"), "SnapPress", "preset 'default': key 'methods.snapkv.press': kvpress has no press 'SnapPress'; did you mean SnapKVPress?"),
+    (("methods", "snapkv", "kwargs", "compression_ratio"), 0.5, "key 'methods.snapkv.kwargs.compression_ratio': set by `budgets`, remove it here"),
+    (("methods", "full"), DELETE, "key 'methods': needs one method of kind 'full'"),
+    (("models", "qwen2.5-0.5b", "gguf"), "llama-9000", "config: key 'models.qwen2.5-0.5b.gguf': 'llama-9000' is not allowed; allowed: qwen2.5-coder-0.5b-instruct-q4_k_m"),
+    (("models", "qwen2.5-0.5b", "source"), "ftp", "config: key 'models.qwen2.5-0.5b.source': 'ftp' is not allowed; allowed: pypi-gguf, hub, tiny"),
+    (("models", "bad/name"), {"source": "tiny"}, "config: name 'bad/name' under 'models' must match"),
+    (("tasks", "niah_single", "context_tokens"), [64], "config: key 'tasks.niah_single.context_tokens[0]': 64 must be >= 128"),
+    (("tasks", "niah_single", "kind"), "haystack", "config: key 'tasks.niah_single.kind': 'haystack' is not allowed; allowed: niah_single"),
+    (("tasks", "niah_single", "depths"), [], "config: key 'tasks.niah_single.depths': must not be empty"),
+    (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke"),
+    (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
+]
+
+
+@pytest.mark.parametrize("path,value,message", BAD, ids=[".".join(b[0]) + "=" + repr(b[1])[:20] for b in BAD])
+def test_bad_config_gives_one_line(config, path, value, message):
+    with pytest.raises(ConfigError) as info:
+        resolve(edit(copy.deepcopy(config), path, value), SCHEMA)
+    text = str(info.value)
+    assert "\n" not in text
+    assert message in text
+
+
+def test_snakemake_stops_before_any_job_with_the_line(tmp_path, config):
+    bad = edit(copy.deepcopy(config), ("budgets",), [1.5])
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--configfile", str(tmp_path / "bad.yaml"), "--directory", str(tmp_path),
+         "--snakefile", str(ROOT / "Snakefile")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "kvlab config: key 'budgets[0]': 1.5 must be <= 1" in proc.stderr + proc.stdout
+    assert not (tmp_path / "results").exists()
