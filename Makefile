@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CORES  ?= 2
 SMK_ARGS ?=
 
-.PHONY: setup report smoke test test-fast lint clean
+.PHONY: setup browser report smoke test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,17 +21,23 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 
 setup: $(VENV)/.installed
 
+# Headless Chromium renders the report in the tests (Debian package; installed when we are root).
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium not installed: the browser rendering test will be skipped (apt-get install chromium)"
+
 report: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html $(SMK_ARGS)
 
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
-test: setup
-	$(BIN)/python -m pytest -q
+test: setup browser
+	$(BIN)/pytest -q
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not integration"
+	$(BIN)/pytest -q -m "not integration"
 
 lint: setup
 	$(BIN)/snakemake --lint

@@ -12,7 +12,6 @@ rule collect:
         db="results/kvlab.duckdb",
     params:
         config=config,
-        benchmark_root="results/benchmarks",
     log:
         "logs/collect.log",
     localrule: True

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# `python -m pytest` puts the working directory on sys.path; from the repo root that makes the kernels/
+# folder importable as a bare `kernels`, which transformers mistakes for Hugging Face's package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 
 TINY_SPEC = {
     "source": "tiny",
@@ -56,3 +63,22 @@ def qwen(qwen_dir):
     from kvlab.evaluate import load_model
 
     return load_model(qwen_dir, "float32", "cpu")
+
+
+def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+        cwd=workdir, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Path:
+    work = tmp_path_factory.mktemp("dag")
+    for name in ("Snakefile", "config.yaml"):
+        shutil.copy(ROOT / name, work / name)
+    for name in ("rules", "workflow", "envs", "profiles"):
+        shutil.copytree(ROOT / name, work / name)
+    proc = snakemake(work, "results/report.html", "--config", "preset=smoke")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return work

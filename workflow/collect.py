@@ -10,6 +10,5 @@ build(
     model_dirs=snakemake.input.model_dirs,  # noqa: F821
     cost_file=snakemake.input.costs,  # noqa: F821
     benchmark_files=snakemake.input.benchmarks,  # noqa: F821
-    benchmark_root=snakemake.params.benchmark_root,  # noqa: F821
     config=snakemake.params.config,  # noqa: F821
 )

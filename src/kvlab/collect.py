@@ -42,13 +42,15 @@ def _git(root, *args) -> str:
         return ""
 
 
-def read_benchmarks(paths: list[str | Path], root: str | Path) -> pd.DataFrame:
-    """Snakemake `benchmark:` files (wall time, max RSS); `job` is the path below `root`, e.g. evaluate/m/t/1024."""
+def read_benchmarks(paths: list[str | Path]) -> pd.DataFrame:
+    """Snakemake `benchmark:` files (wall time, max RSS); `job` is the path below the `benchmarks` folder,
+    e.g. evaluate/{model}/{task}/{ctx}."""
     frames = []
     for p in paths:
         p = Path(p)
         frame = pd.read_csv(p, sep="\t")
-        frame.insert(0, "job", p.relative_to(root).with_suffix("").as_posix())
+        last = len(p.parts) - 1 - p.parts[::-1].index("benchmarks")  # the innermost `benchmarks` folder
+        frame.insert(0, "job", Path(*p.parts[last + 1 :]).with_suffix("").as_posix())
         frames.append(frame)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["job", "s"])
 
@@ -59,7 +61,6 @@ def build(
     model_dirs: list,
     cost_file: str | Path,
     benchmark_files: list,
-    benchmark_root: str | Path,
     config: dict,
 ) -> None:
     """Write every table the report reads: eval, models, costs, benchmarks, provenance."""
@@ -73,7 +74,7 @@ def build(
         "eval": pd.concat([pd.read_parquet(f) for f in eval_files], ignore_index=True),
         "models": models,
         "costs": pd.read_parquet(cost_file),
-        "benchmarks": read_benchmarks(benchmark_files, benchmark_root),
+        "benchmarks": read_benchmarks(benchmark_files),
         "provenance": provenance(config),
     }
     with atomic_path(db_path) as tmp:

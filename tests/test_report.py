@@ -1,0 +1,53 @@
+"""The report is one self-contained page: no network address, charts drawn inline, names escaped,
+and it really renders in headless Chromium with the network cut off."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvlab.report.build import build, load_queries
+
+CHROMIUM = shutil.which("chromium")
+
+
+@pytest.fixture(scope="module")
+def page(smoke_run) -> str:
+    return (smoke_run / "results" / "report.html").read_text()
+
+
+def test_no_network_references(page):
+    # no script, stylesheet, image or frame is fetched from anywhere
+    assert not re.search(r"<(script|link|img|iframe)\b", page)
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
+    assert "@import" not in page and "url(" not in page
+
+
+def test_sections_and_queries_present(page):
+    for title in ("Summary", "Accuracy vs KV budget", "Cost table (article §8, recomputed)", "Measured cache bytes vs the formula", "Provenance"):
+        assert f"<h2>{title}</h2>" in page
+    assert page.count("<details><summary>query</summary>") >= 5
+    assert set(load_queries()) >= {"accuracy", "versus_full", "cost_article", "provenance", "timings"}
+
+
+def test_title_from_config_is_escaped(smoke_run, tmp_path):
+    out = tmp_path / "r.html"
+    build(smoke_run / "results" / "kvlab.duckdb", out, "<script>alert(1)</script>")
+    text = out.read_text()
+    assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make test installs it when run as root)")
+def test_renders_in_headless_chromium_offline(smoke_run, tmp_path):
+    cmd = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", (smoke_run / "results" / "report.html").as_uri(),
+    ]
+    if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
+        cmd = ["unshare", "-n", *cmd]  # no network at all: the page must not need it
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
+    assert '<svg' in dom and 'class="marks"' in dom  # the chart drew
+    assert "Accuracy vs KV budget" in dom
