@@ -4,7 +4,6 @@ and it really renders in headless Chromium with the network cut off."""
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 

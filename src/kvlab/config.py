@@ -23,7 +23,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     """
     schema = yaml.safe_load(Path(schema_path).read_text())
     base = copy.deepcopy(config)
-    _validate(base, schema, where="config")
+    _validate(base, schema, schema_path, where="config")
     presets = base.get("presets", {})
     name = base.get("preset", "default")
     if name != "default" and name not in presets:
@@ -34,7 +34,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
         candidate = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
         candidate.update(copy.deepcopy(overrides))
         candidate["preset"] = pname
-        _validate(candidate, schema, where=f"preset '{pname}'")
+        _validate(candidate, schema, schema_path, where=f"preset '{pname}'")
         _check_semantics(candidate, where=f"preset '{pname}'")
         if pname == name:
             resolved = candidate
@@ -42,35 +42,19 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     return resolved
 
 
-def _validate(data: dict, schema: dict, where: str) -> None:
+def _validate(data: dict, schema: dict, schema_path: str | Path, where: str) -> None:
     # Snakemake's validate fills defaults; on failure we re-run jsonschema to word the error ourselves.
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 
     try:
-        validate(data, _schema_file(schema))
+        validate(data, str(Path(schema_path).resolve()))
     except WorkflowError:
         error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
-        raise ConfigError(f"{where}: {describe(error, schema)}") from None
+        raise ConfigError(f"{where}: {describe(error)}") from None
 
 
-_SCHEMA_FILES: dict[int, str] = {}
-
-
-def _schema_file(schema: dict) -> str:
-    """Snakemake's validate takes a path: keep one temp copy of the (already parsed) schema per process."""
-    import json
-    import tempfile
-
-    key = id(schema)
-    if key not in _SCHEMA_FILES:
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(schema, f)
-        _SCHEMA_FILES[key] = f.name
-    return _SCHEMA_FILES[key]
-
-
-def describe(error: jsonschema.ValidationError, schema: dict) -> str:
+def describe(error: jsonschema.ValidationError) -> str:
     """One line: the key path, what is wrong, what would be right."""
     path = _path(error.absolute_path)
     v = error.validator

