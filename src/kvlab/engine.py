@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -130,6 +131,29 @@ def cache_stats(cache: DynamicCache) -> dict:
     return {"kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens))}
 
 
+def tail_masks(model, cache: DynamicCache, x: torch.Tensor, start: int) -> dict:
+    """Causal masks for feeding `x` (original positions start…) after a possibly compressed cache.
+
+    transformers derives the mask from the first layer's length; with sliding layers (never compressed)
+    first, compressed full layers would then let the tail see later tail tokens. So each layer type gets
+    its own mask: full layers counted from their stored length, sliding layers from the original positions.
+    """
+    config = model.config.get_text_config()
+    n = x.shape[1]
+    embeds = torch.empty(1, n, config.hidden_size, dtype=model.dtype, device=x.device)
+    sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
+    full_lengths = {cache.layers[i].get_seq_length() for i, s in enumerate(sliding) if not s}
+    if len(full_lengths) > 1:
+        raise NotImplementedError(f"full-attention layers hold different lengths {sorted(full_lengths)}; one mask cannot serve them")
+    held = full_lengths.pop() if full_lengths else start
+    args = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=cache, position_ids=None)
+    masks = {"full_attention": create_causal_mask(cache_position=torch.arange(held, held + n, device=x.device), **args)}
+    if any(sliding):
+        positions = torch.arange(start, start + n, device=x.device)
+        masks["sliding_attention"] = create_sliding_window_causal_mask(cache_position=positions, **args)
+    return masks
+
+
 @torch.no_grad()
 def greedy_decode(model, tokenizer, cache: DynamicCache, tail: list[int], start: int, max_new_tokens: int) -> list[int]:
     """Feed `tail` at original positions `start…`, then decode greedily until EOS or the cap.
@@ -144,7 +168,10 @@ def greedy_decode(model, tokenizer, cache: DynamicCache, tail: list[int], start:
     pos = torch.arange(start, start + len(tail), device=device).unsqueeze(0)
     out = []
     for _ in range(max_new_tokens):
-        logits = model(input_ids=x, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1).logits
+        masks = tail_masks(model, cache, x, int(pos[0, 0]))
+        logits = model(
+            input_ids=x, attention_mask=masks, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
+        ).logits
         nxt = int(logits[0, -1].argmax())
         out.append(nxt)
         if nxt in eos:
