@@ -26,7 +26,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(model_dir: str | Path, dtype: str, device: str):
     """The acquired model and tokenizer, in eval mode on `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-tensor loading bars would bury the job's own progress
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("config device is 'cuda' but torch sees no CUDA device; set device: cpu")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
