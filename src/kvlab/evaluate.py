@@ -15,13 +15,11 @@ from kvlab.engine import evaluate_sample
 from kvlab.io import atomic_path
 from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
 from kvlab.methods import variants
+from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
 from kvlab.tasks import GENERATORS
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def load_model(model_dir: str | Path, dtype: str, device: str):
     """The acquired model and tokenizer, in eval mode on `device`."""

