@@ -1,23 +1,29 @@
-"""The evaluation engine: prefill a sample once with the full cache, then for every variant compress a
-copy of that cache and decode greedily from it.
+"""The evaluation engine: prefill a sample once with the full cache, compress a copy of that cache per
+variant, then decode every variant together as one batch.
 
 kvpress presses normally compress inside forward hooks during prefill. A press's ``compress`` only
 needs the layer's input hidden states, its keys/values and the RoPE tables, none of which compression
 changes within the same forward pass (each layer's attention output is computed before its hook runs).
 So we capture those per layer during one uncompressed prefill and call ``press.compress`` afterwards, per
 variant, on a copy — the same tensors kvpress's hook would see (tests/test_engine.py checks equality).
+
+Batching caches of different lengths: each layer's rows are right-padded to the longest row of that
+layer and every full-attention layer gets its own additive mask (a forward pre-hook swaps it in), which
+hides the padding and keeps the tail causal. Masked entries get exactly zero weight, so a row decodes
+as it would alone (tests/test_engine.py checks the predictions against one-variant-at-a-time runs).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import create_sliding_window_causal_mask
 
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -131,100 +137,216 @@ def cache_stats(cache: DynamicCache) -> dict:
     return {"kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens))}
 
 
-def tail_masks(model, cache: DynamicCache, x: torch.Tensor, start: int) -> dict:
-    """Causal masks for feeding `x` (original positions start…) after a possibly compressed cache.
+class Batch:
+    """Several single-row caches of the same prompt as one batched cache, each layer right-padded to its
+    longest row; `lengths[layer][row]` is what that row really holds. Sliding layers are never compressed,
+    so they are equal across rows and need no padding."""
 
-    transformers derives the mask from the first layer's length; with sliding layers (never compressed)
-    first, compressed full layers would then let the tail see later tail tokens. So each layer type gets
-    its own mask: full layers counted from their stored length, sliding layers from the original positions.
-    """
-    config = model.config.get_text_config()
-    n = x.shape[1]
-    embeds = torch.empty(1, n, config.hidden_size, dtype=model.dtype, device=x.device)
-    sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
-    full_lengths = {cache.layers[i].get_seq_length() for i, s in enumerate(sliding) if not s}
-    if len(full_lengths) > 1:
-        raise NotImplementedError(f"full-attention layers hold different lengths {sorted(full_lengths)}; one mask cannot serve them")
-    held = full_lengths.pop() if full_lengths else start
-    args = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=cache, position_ids=None)
-    masks = {"full_attention": create_causal_mask(cache_position=torch.arange(held, held + n, device=x.device), **args)}
-    if any(sliding):
-        positions = torch.arange(start, start + n, device=x.device)
-        masks["sliding_attention"] = create_sliding_window_causal_mask(cache_position=positions, **args)
-    return masks
+    def __init__(self, model, caches: list[DynamicCache]):
+        self.model = model
+        self.cache = copy.deepcopy(caches[0])
+        self.lengths: list[torch.Tensor] = []
+        self.padded: list[int] = []
+        for idx, layer in enumerate(self.cache.layers):
+            rows = [c.layers[idx] for c in caches]
+            n = [r.keys.shape[-2] for r in rows]
+            width = max(n)
+            layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
+            layer.values = torch.cat([_pad(r.values, width) for r in rows])
+            self.lengths.append(torch.tensor(n, device=layer.keys.device))
+            self.padded.append(width)
+        self.fed = 0  # tail tokens appended since stacking
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths[0])
+
+    def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
+        stored entries and the tail causally, never the padding."""
+        width, device = self.padded[idx], self.lengths[idx].device
+        kv = width + self.fed + n
+        j = torch.arange(kv, device=device)
+        stored = j[None, :] < self.lengths[idx][:, None]  # (B, kv)
+        tail_pos = j - width  # position of key j within the tail
+        query = self.fed + torch.arange(n, device=device)  # position of each query within the tail
+        causal = (tail_pos[None, :] >= 0) & (tail_pos[None, :] <= query[:, None])  # (n, kv)
+        allowed = stored[:, None, :] | causal[None, :, :]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1) -> torch.Tensor:
+        """Feed `ids` (B, n) at original positions start…; return the last `logits_to_keep` logits."""
+        model, n = self.model, ids.shape[1]
+        pos = torch.arange(start, start + n, device=ids.device).expand(ids.shape[0], n)
+        masks = {idx: self.full_mask(idx, n, model.dtype) for idx in range(len(self.padded)) if not is_sliding(model, idx)}
+        layer_masks = {"full_attention": None}
+        if len(masks) < len(self.padded):
+            config = model.config.get_text_config()
+            embeds = torch.empty(ids.shape[0], n, config.hidden_size, dtype=model.dtype, device=ids.device)
+            layer_masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config=config, inputs_embeds=embeds, attention_mask=None, cache_position=pos[0],
+                past_key_values=self.cache, position_ids=None,
+            )
+        with per_layer_masks(model, masks):
+            out = model(
+                input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
+                use_cache=True, logits_to_keep=logits_to_keep,
+            )
+        self.fed += n
+        return out.logits
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
+
+
+@contextmanager
+def per_layer_masks(model, masks: dict[int, torch.Tensor]):
+    """Give attention layer i the mask masks[i] (transformers builds one mask per layer *type*)."""
+    handles = []
+
+    def hook_for(mask):
+        def hook(module, args, kwargs):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        return hook
+
+    try:
+        for idx, layer in enumerate(attention_layers(model)):
+            if idx in masks:
+                handles.append(layer.register_forward_pre_hook(hook_for(masks[idx]), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def stop_ids(model) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [eos])
 
 
 @torch.no_grad()
-def greedy_decode(model, tokenizer, cache: DynamicCache, tail: list[int], start: int, max_new_tokens: int) -> list[int]:
-    """Feed `tail` at original positions `start…`, then decode greedily until EOS or the cap.
+def greedy_decode(model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int) -> list[list[int]]:
+    """Feed `tail` after each cache at original positions `start…`, then decode greedily, all rows as one
+    batch, until every row has produced EOS or the cap. Each row's ids end at its first EOS.
 
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
     RoPE rotation they were cached with.
     """
-    device = model.device
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    x = torch.tensor([tail], device=device)
-    pos = torch.arange(start, start + len(tail), device=device).unsqueeze(0)
-    out = []
+    batch = Batch(model, caches)
+    eos = stop_ids(model)
+    x = torch.tensor([tail] * batch.size, device=model.device)
+    pos = start
+    out: list[list[int]] = [[] for _ in range(batch.size)]
+    done = [False] * batch.size
     for _ in range(max_new_tokens):
-        masks = tail_masks(model, cache, x, int(pos[0, 0]))
-        logits = model(
-            input_ids=x, attention_mask=masks, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1
-        ).logits
-        nxt = int(logits[0, -1].argmax())
-        out.append(nxt)
-        if nxt in eos:
+        nxt = batch.forward(x, pos)[:, -1].argmax(-1)
+        pos += x.shape[1]
+        for row, token in enumerate(nxt.tolist()):
+            if not done[row]:
+                out[row].append(token)
+                done[row] = token in eos
+        if all(done):
             break
-        x = torch.tensor([[nxt]], device=device)
-        pos = pos[:, -1:] + 1
+        x = nxt[:, None]
     return out
 
 
+@torch.no_grad()
+def teacher_forced(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int) -> torch.Tensor:
+    """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
+    `path` are fed after its cache (one forward pass for all rows and tokens)."""
+    batch = Batch(model, caches)
+    ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
+    logits = batch.forward(ids, start, logits_to_keep=len(path))
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
+    """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""
+    p_ref = logp[ref].exp()
+    kl = (p_ref * (logp[ref] - logp)).sum(-1).clamp_min(0)  # (B, T)
+    target = torch.tensor(path, device=logp.device)
+    nll = -logp.gather(-1, target.expand(logp.shape[0], -1)[..., None])[..., 0]  # (B, T)
+    return [
+        {"kl_vs_full": float(kl[b].mean()), "kl_max": float(kl[b].max()), "nll": float(nll[b].mean()),
+         "ppl": math.exp(float(nll[b].mean())), "tf_tokens": len(path)}
+        for b in range(logp.shape[0])
+    ]
+
+
 def evaluate_sample(model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int):
-    """Rows for one sample: every variant × question mode, from one shared prefill per mode."""
+    """Rows for one sample: every variant × question mode × turn, from one shared prefill per mode.
+
+    Per mode, each variant compresses its own copy of the prefilled cache; all variants then decode as one
+    batch. KL and NLL are teacher-forced along one path per sample and turn: the sample's reference text
+    if it has one, else the full cache's own answer (so KL measures how far each method drifts from full).
+    """
+    if sum(v.kind == "full" for v in variants) != 1:
+        raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
+    ref = next(i for i, v in enumerate(variants) if v.kind == "full")
     p = sample.prompt
     t0 = time.perf_counter()
     context = prefill(model, p.context)
     prefill_s = {"agnostic": time.perf_counter() - t0}
     bases = {"agnostic": (context, p.question + p.suffix)}
-    if "aware" in modes:
+    if "aware" in modes and p.question:
         t0 = time.perf_counter()
         bases["aware"] = (prefill(model, p.question, past=context), p.suffix)
         prefill_s["aware"] = prefill_s["agnostic"] + time.perf_counter() - t0
-    rows = []
-    decoded: dict[str, tuple] = {}  # full is the same computation in both modes: decode it once
-    for variant in variants:
-        for mode in modes:
-            base, tail = bases[mode]
+    rows, done = [], {}
+    for mode in modes:
+        key = mode if mode in bases else "agnostic"  # no separate question: both modes are one computation
+        if key in done:
+            rows += [{**r, "question_mode": mode} for r in done[key]]
+            continue
+        base, tail = bases[key]
+        first = len(rows)
+        caches, compress_s, stats = [], [], []
+        for variant in variants:
             t0 = time.perf_counter()
-            cache = compress(model, base, variant)
-            compress_s = time.perf_counter() - t0
-            stats = cache_stats(cache)
-            if variant.kind == "full" and variant.method in decoded:
-                ids, decode_s = decoded[variant.method]
-            else:
-                t0 = time.perf_counter()
-                ids = greedy_decode(model, tokenizer, cache, tail, base.length, max_new_tokens)
-                decode_s = time.perf_counter() - t0
-                decoded[variant.method] = (ids, decode_s)
-            prediction = tokenizer.decode(ids, skip_special_tokens=True)
-            rows.append(
-                {
-                    **sample.row(),
-                    "method": variant.method,
-                    "method_kind": variant.kind,
-                    "press": variant.params.get("press"),
-                    "budget": variant.budget,
-                    "question_mode": mode,
-                    "compressed_tokens": base.length,
-                    "prediction": prediction,
-                    "score": score(sample.metric, prediction, sample.gold),
-                    **stats,
-                    "prefill_s": prefill_s[mode],
-                    "compress_s": compress_s,
-                    "decode_s": decode_s,
-                    "new_tokens": len(ids),
-                }
-            )
+            caches.append(compress(model, base, variant))
+            compress_s.append(time.perf_counter() - t0)
+            stats.append(cache_stats(caches[-1]))
+        turns = [(tail, sample.gold)]
+        for turn in p.followups:
+            turns.append((turns[-1][0] + turn.ids, turn.gold))
+        for number, (turn_tail, gold) in enumerate(turns, start=1):
+            t0 = time.perf_counter()
+            decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
+            decode_s = time.perf_counter() - t0
+            path = p.reference if (p.reference and number == 1) else decoded[ref]
+            t0 = time.perf_counter()
+            div = divergence(teacher_forced(model, caches, turn_tail, path, base.length), path, ref) if path else [{} for _ in variants]
+            tf_s = time.perf_counter() - t0
+            for i, variant in enumerate(variants):
+                prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
+                rows.append(
+                    {
+                        **sample.row(),
+                        "method": variant.method,
+                        "method_kind": variant.kind,
+                        "press": variant.params.get("press"),
+                        "budget": variant.budget,
+                        "question_mode": mode,
+                        "turn": number,
+                        "gold": list(gold),
+                        "compressed_tokens": base.length,
+                        "prediction": prediction,
+                        "score": score(sample.metric, prediction, gold),
+                        **stats[i],
+                        **div[i],
+                        "prefill_s": prefill_s[key],
+                        "compress_s": compress_s[i],
+                        "decode_s": decode_s,
+                        "decode_batch": len(variants),
+                        "teacher_forced_s": tf_s,
+                        "new_tokens": len(decoded[i]),
+                    }
+                )
+        done[key] = rows[first:]
     return rows

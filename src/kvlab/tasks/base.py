@@ -2,21 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
+class Turn:
+    """A later turn of the same conversation: the previous answer (the gold one, so every method is
+    asked the same second question), the end of that turn, the next user turn and the assistant header."""
+
+    ids: list[int]
+    gold: list[str]
+
+
+@dataclass(frozen=True)
 class Prompt:
-    """A chat prompt cut into the three pieces the engine needs.
+    """A prompt cut into the pieces the engine needs.
 
     ``context`` is always compressed; ``question`` is compressed only in question-aware mode;
     ``suffix`` (the chat template's end of turn + assistant header) is never compressed.
-    Each is a list of token ids; their concatenation is the whole prompt.
+    ``followups`` are later turns asked on the same compressed cache (multi-turn tasks).
+    ``reference`` is a continuation to teacher-force for KL and perplexity (prose tasks); when empty
+    the engine teacher-forces the full cache's own answer instead.
+    Each is a list of token ids; context + question + suffix is the whole first-turn prompt.
     """
 
     context: list[int]
     question: list[int]
     suffix: list[int]
+    followups: tuple[Turn, ...] = ()
+    reference: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -26,6 +41,7 @@ class Prompt:
 @dataclass(frozen=True)
 class Sample:
     task: str
+    kind: str
     sample_id: str
     context_tokens: int  # the target length
     depth: float
@@ -39,12 +55,12 @@ class Sample:
         """The columns every result row of this sample carries."""
         return {
             "task": self.task,
+            "task_kind": self.kind,
             "sample_id": self.sample_id,
             "context_tokens": self.context_tokens,
             "prompt_tokens": self.prompt.tokens,
             "depth": self.depth,
             "seed": self.seed,
-            "gold": list(self.gold),
             "metric": self.metric,
         }
 
@@ -52,20 +68,57 @@ class Sample:
         return asdict(self)
 
 
-def split_chat(tokenizer, user_text_before: str, user_text_question: str) -> tuple[str, str, str]:
-    """Apply the chat template to one user turn; return (prefix+text, question, suffix) as strings.
+def chat_pieces(tokenizer, before: str, question: str) -> tuple[str, str, str]:
+    """Apply the chat template to one user turn; return (template head + `before`, `question`, suffix).
 
     The template is rendered around a marker so the pieces are cut exactly where the template puts them.
     """
     marker = "\x00KVLAB-SPLIT\x00"
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text_before + marker + user_text_question + marker}],
+        [{"role": "user", "content": before + marker + question + marker}],
         add_generation_prompt=True,
         tokenize=False,
     )
-    head, question, suffix = rendered.split(marker)
-    return head, question, suffix
+    head, q, suffix = rendered.split(marker)
+    return head, q, suffix
+
+
+def chat_prompt(tokenizer, before: str, question: str, followups: list[tuple[str, str, list[str]]] = ()) -> Prompt:
+    """A chat Prompt from the user's text before the question and the question itself.
+
+    `followups` are (previous gold answer text, next user message, next gold) triples: each later turn
+    is the template's rendering of the conversation so far, minus what the engine already fed.
+    """
+    head, q, suffix = chat_pieces(tokenizer, before, question)
+    messages = [{"role": "user", "content": before + question}]
+    fed = head + q + suffix
+    turns = []
+    for answer, user, gold in followups:
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": user}]
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if not rendered.startswith(fed):
+            raise ValueError("the chat template renders earlier turns differently once a later turn is added")
+        turns.append(Turn(encode(tokenizer, rendered[len(fed) :]), list(gold)))
+        fed = rendered
+    return Prompt(encode(tokenizer, head), encode(tokenizer, q), encode(tokenizer, suffix), tuple(turns))
 
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fit(name: str, target: int, build: Callable[[int], Prompt]) -> int:
+    """The largest filler count n whose prompt `build(n)` fits in `target` tokens (bisection).
+
+    Raises a one-line error when even no filler at all is too long.
+    """
+    fixed = build(0).tokens
+    if fixed >= target:
+        raise ValueError(f"task '{name}': context_tokens {target} is too short; the prompt alone needs {fixed} tokens")
+    lo, hi = 0, 1
+    while build(hi).tokens <= target:  # grow until too long, then bisect
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if build(mid).tokens <= target else (lo, mid)
+    return lo

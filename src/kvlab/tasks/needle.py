@@ -1,22 +1,19 @@
-"""Single needle in a haystack (RULER niah_single shape): a 7-digit value for a named key is hidden at a
-given depth of filler text; the question asks for the key's value. Scored with string_match_all."""
+"""Needles in a haystack, RULER's niah family in one generator.
+
+A key (`amber-falcon`) is bound to 7-digit values hidden in filler text; the question asks for values.
+Parameters: `keys` (needles with distinct keys; those not asked are distractors — multi-key), `values`
+(values per key, all asked — multi-value), `queries` (keys asked at once — multi-query), `haystack`
+(noise | prose) and `question_position` (after the document, or before it). The first asked needle sits at
+the sample's depth; the others at positions drawn once per sample. Scored with string_match_all.
+"""
 
 from __future__ import annotations
 
 import random
 
-from kvlab.tasks.base import Prompt, Sample, encode, split_chat
+from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit
+from kvlab.tasks.haystack import Filler
 
-FILLER = (
-    "The river runs slowly past the old stone mill.",
-    "A bell rings somewhere across the quiet town.",
-    "The wind moves through the tall summer grass.",
-    "Clouds drift over the hills toward the sea.",
-    "An old dog sleeps in the shade of the porch.",
-    "The baker opens the shop before the sun is up.",
-    "Rain taps gently on the roof of the barn.",
-    "A cart rolls along the road to the market.",
-)
 ADJECTIVES = (
     "amber", "brisk", "calm", "dusty", "eager", "faded", "gentle", "hollow", "icy", "jolly", "keen", "lucky",
     "misty", "noble", "olive", "proud", "quiet", "rapid", "silver", "tidy", "umber", "vivid", "woolly", "young",
@@ -26,52 +23,91 @@ NOUNS = (
     "kettle", "lantern", "meadow", "needle", "orchard", "pebble", "quarry", "ribbon", "saddle", "thistle",
     "violin", "walrus", "yarrow", "zephyr",
 )
-INSTRUCTION = "A special magic number is hidden in the text below. Remember it: you will be asked for it afterwards."
+INSTRUCTION = "Special magic numbers are hidden in the text below. Remember them: you will be asked for them."
 NEEDLE = "The special magic number for {key} is: {value}."
-QUESTION = "What is the special magic number for {key} mentioned in the text above? Answer with the number only."
+NEEDLE_OF_MANY = "One of the special magic numbers for {key} is: {value}."
+QUESTION = "What is the special magic number for {key} mentioned in the text? Answer with the number only."
+QUESTION_VALUES = "What are all the special magic numbers for {key} mentioned in the text? Answer with the numbers only."
+QUESTION_KEYS = "What are the special magic numbers for {keys} mentioned in the text? Answer with the numbers only."
+DEFAULTS = {"haystack": "noise", "keys": 1, "values": 1, "queries": 1, "question_position": "after"}
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
     """All samples of one (task, context length): `samples` per depth, seeded and deterministic."""
+    spec = {**DEFAULTS, **spec}
+    if spec["queries"] > spec["keys"]:
+        raise ValueError(f"task '{name}': queries ({spec['queries']}) cannot exceed keys ({spec['keys']})")
     out = []
     for depth in spec["depths"]:
         for i in range(spec["samples"]):
             rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{depth}:{i}")
-            out.append(make_sample(name, tokenizer, context_tokens, depth, spec["seed"], i, rng))
+            out.append(make_sample(name, spec, tokenizer, context_tokens, depth, i, rng))
     return out
 
 
-def make_sample(name: str, tokenizer, target: int, depth: float, seed: int, index: int, rng) -> Sample:
-    key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
-    value = str(rng.randint(1_000_000, 9_999_999))
-    needle = NEEDLE.format(key=key, value=value)
-    question = "\n\n" + QUESTION.format(key=key)
-    start = rng.randrange(len(FILLER))
+def draw_keys(rng: random.Random, n: int) -> list[str]:
+    keys: list[str] = []
+    while len(keys) < n:
+        key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
+        if key not in keys:
+            keys.append(key)
+    return keys
 
-    def build(n: int) -> tuple[Prompt, int]:
-        sentences = [FILLER[(start + j) % len(FILLER)] for j in range(n)]
-        at = round(depth * n)
-        sentences.insert(at, needle)
-        head, q, suffix = split_chat(tokenizer, INSTRUCTION + "\n\n" + " ".join(sentences), question)
-        return Prompt(encode(tokenizer, head), encode(tokenizer, q), encode(tokenizer, suffix)), at
 
-    fixed = build(0)[0].tokens
-    if fixed >= target:
-        raise ValueError(f"task '{name}': context_tokens {target} is too short; the prompt alone needs {fixed} tokens")
-    lo, hi = 0, 1
-    while build(hi)[0].tokens <= target:  # grow until too long, then bisect: the largest n that fits
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if build(mid)[0].tokens <= target else (lo, mid)
-    prompt, at = build(lo)
+def draw_values(rng: random.Random, n: int) -> list[str]:
+    return [str(v) for v in rng.sample(range(1_000_000, 10_000_000), n)]
+
+
+def question_for(asked: list[str], values: int) -> str:
+    if len(asked) > 1:
+        return QUESTION_KEYS.format(keys=", ".join(asked[:-1]) + " and " + asked[-1])
+    return (QUESTION_VALUES if values > 1 else QUESTION).format(key=asked[0])
+
+
+def render(
+    tokenizer,
+    instruction: str,
+    filler: list[str],
+    inserts: list[tuple[float, str]],
+    question: str,
+    position: str,
+    followups: list[tuple[str, str, list[str]]] = (),
+) -> Prompt:
+    """The chat prompt: `instruction`, filler with each (fraction, sentence) inserted, and the question
+    after the document (its own compressible piece) or before it (then part of the context);
+    `followups` are later turns (see `chat_prompt`)."""
+    doc = list(filler)
+    at = [(round(frac * len(filler)), i, sentence) for i, (frac, sentence) in enumerate(inserts)]
+    for idx, _, sentence in sorted(at, reverse=True):  # from the back, so indices stay valid and ties keep order
+        doc.insert(idx, sentence)
+    text = " ".join(doc)
+    if position == "before":
+        return chat_prompt(tokenizer, f"{instruction}\n\n{question}\n\n{text}", "", followups)
+    return chat_prompt(tokenizer, f"{instruction}\n\n{text}", f"\n\n{question}", followups)
+
+
+def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, index: int, rng) -> Sample:
+    keys = draw_keys(rng, spec["keys"])
+    values = {k: draw_values(rng, spec["values"]) for k in keys}
+    template = NEEDLE_OF_MANY if spec["values"] > 1 else NEEDLE
+    needles = [template.format(key=k, value=v) for k in keys for v in values[k]]
+    fractions = [depth] + [rng.random() for _ in needles[1:]]  # the first asked needle at the sample's depth
+    asked = keys[: spec["queries"]]
+    question = question_for(asked, spec["values"])
+    filler = Filler(spec["haystack"], rng)
+
+    def build(n: int) -> Prompt:
+        return render(tokenizer, INSTRUCTION, filler.take(n), list(zip(fractions, needles)), question, spec["question_position"])
+
+    n = fit(name, target, build)
     return Sample(
         task=name,
+        kind="niah",
         sample_id=f"{name}-{target}-d{depth:g}-s{index}",
         context_tokens=target,
         depth=depth,
-        seed=seed,
-        prompt=prompt,
-        gold=[value],
-        meta={"key": key, "needle_sentence": at, "haystack_sentences": lo},
+        seed=spec["seed"],
+        prompt=build(n),
+        gold=[v for k in asked for v in values[k]],
+        meta={"keys": keys, "asked": asked, "haystack_sentences": n, "needle_sentence": round(depth * n)},
     )

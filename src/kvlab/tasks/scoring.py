@@ -27,8 +27,24 @@ def string_match_part(prediction: str, gold: list[str]) -> float:
     return float(any(g.lower() in pred for g in gold))
 
 
-SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(prediction: str, gold: list[str]) -> float:
+    """1.0 if the last number in the prediction (thousands separators ignored) equals the gold number."""
+    if len(gold) != 1:
+        raise ValueError("last_number needs exactly one gold answer")
+    numbers = _NUMBER.findall(clean(prediction))
+    if not numbers:
+        return 0.0
+    return float(float(numbers[-1].replace(",", "")) == float(gold[0]))
+
+
+SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "last_number": last_number}
 
 
 def score(metric: str, prediction: str, gold: list[str]) -> float:
+    """The sample's score in [0, 1]; NaN for tasks measured by KL and perplexity only (metric 'none')."""
+    if metric == "none":
+        return float("nan")
     return SCORERS[metric](prediction, gold)

@@ -1,0 +1,43 @@
+"""Prose continuation (no question): a prefix of real public-domain prose, then its true continuation
+teacher-forced, for per-token KL(full ‖ method) and perplexity. Plain text, no chat template — the
+protocol of the quantization study (prefix of `context_tokens`, `continuation_tokens` scored)."""
+
+from __future__ import annotations
+
+import random
+
+from kvlab.corpus import kjv_sentences
+from kvlab.tasks.base import Prompt, Sample, encode
+
+
+def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
+    sentences = kjv_sentences()
+    want = context_tokens + spec["continuation_tokens"]
+    out = []
+    for i in range(spec["samples"]):
+        rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{i}")
+        start = rng.randrange(len(sentences))
+        text, j = "", start
+        while True:  # add sentences until the text is long enough; the cut is in tokens
+            text += sentences[j % len(sentences)] + " "
+            j += 1
+            if len(text) > 3 * want and len(ids := encode(tokenizer, text)) >= want:
+                break
+        # The last prefix token is fed with the continuation, so every continuation token is predicted
+        # from a possibly compressed cache.
+        prompt = Prompt(ids[: context_tokens - 1], [], ids[context_tokens - 1 : context_tokens], reference=ids[context_tokens:want])
+        out.append(
+            Sample(
+                task=name,
+                kind="continuation",
+                sample_id=f"{name}-{context_tokens}-s{i}",
+                context_tokens=context_tokens,
+                depth=float("nan"),
+                seed=spec["seed"],
+                prompt=prompt,
+                gold=[],
+                metric="none",
+                meta={"first_sentence": start},
+            )
+        )
+    return out

@@ -1,0 +1,48 @@
+"""Recency: a single needle within the last few hundred tokens of the document, where a sliding window
+(StreamingLLM) still sees it. `from_end_tokens` lists the distances (in the model's tokens) between the
+needle and the end of the document; the needle goes at the sentence boundary closest to each."""
+
+from __future__ import annotations
+
+import random
+
+from kvlab.tasks.base import Sample, encode, fit
+from kvlab.tasks.haystack import Filler
+from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
+
+
+def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
+    out = []
+    for distance in spec["from_end_tokens"]:
+        if distance >= context_tokens:
+            raise ValueError(f"task '{name}': from_end_tokens {distance} must be below context_tokens {context_tokens}")
+        for i in range(spec["samples"]):
+            rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{distance}:{i}")
+            out.append(make_sample(name, spec, tokenizer, context_tokens, distance, i, rng))
+    return out
+
+
+def make_sample(name: str, spec: dict, tokenizer, target: int, distance: int, index: int, rng) -> Sample:
+    (key,) = draw_keys(rng, 1)
+    (value,) = draw_values(rng, 1)
+    needle = NEEDLE.format(key=key, value=value)
+    question = QUESTION.format(key=key)
+    filler = Filler(spec.get("haystack", "noise"), rng)
+    n = fit(name, target, lambda k: render(tokenizer, INSTRUCTION, filler.take(k), [(1.0, needle)], question, "after"))
+    sentences = filler.take(n)
+    after, at = 0, n  # walk back from the end until `distance` tokens lie after the insertion point
+    while at > 0 and after + len(encode(tokenizer, " " + sentences[at - 1])) <= distance:
+        at -= 1
+        after += len(encode(tokenizer, " " + sentences[at]))
+    prompt = render(tokenizer, INSTRUCTION, sentences, [(at / n, needle)], question, "after")
+    return Sample(
+        task=name,
+        kind="recency",
+        sample_id=f"{name}-{target}-e{distance}-s{index}",
+        context_tokens=target,
+        depth=at / n,
+        seed=spec["seed"],
+        prompt=prompt,
+        gold=[value],
+        meta={"key": key, "tokens_after_needle": after, "from_end_tokens": distance},
+    )
