@@ -1,12 +1,14 @@
 rule collect:
     input:
         rows=eval_rows(),
+        speed=speed_rows(),
         model_dirs=model_dirs(),
         costs="results/accounting/costs.parquet",
         benchmarks=[
             f"results/benchmarks/evaluate/{p.removeprefix('results/eval/').removesuffix('.parquet')}.tsv"
             for p in eval_rows()
         ]
+        + [p.replace("results/speed/", "results/benchmarks/").replace(".parquet", ".tsv") for p in speed_rows()]
         + [f"results/benchmarks/acquire_model/{m}.tsv" for m in MODELS],
     output:
         db="results/kvlab.duckdb",

@@ -30,6 +30,20 @@ def eval_rows():
     ]
 
 
+def speed_rows():
+    """Throughput per (model, context length) and one engine-vs-pipeline benchmark per model."""
+    return [
+        f"results/speed/throughput/{model}/{ctx}.parquet" for model in MODELS for ctx in config["throughput"]["context_tokens"]
+    ] + [f"results/speed/engine_vs_pipeline/{model}.parquet" for model in MODELS]
+
+
+def run_params():
+    """The evaluation knobs every measuring job receives (threads are added from the job)."""
+    return {
+        key: config[key] for key in ("methods", "budgets", "question_modes", "max_new_tokens", "dtype", "device")
+    }
+
+
 def model_dirs():
     """Acquired model folders (each holds card.json)."""
     return [f"resources/models/{model}" for model in MODELS]

@@ -5,14 +5,7 @@ rule evaluate:
         rows="results/eval/{model}/{task}/{ctx}.parquet",
     params:
         task=lambda w: config["tasks"][w.task],
-        run=lambda w: {
-            "methods": config["methods"],
-            "budgets": config["budgets"],
-            "question_modes": config["question_modes"],
-            "max_new_tokens": config["max_new_tokens"],
-            "dtype": config["dtype"],
-            "device": config["device"],
-        },
+        run=lambda w: run_params(),
     log:
         "logs/evaluate/{model}/{task}/{ctx}.log",
     benchmark:

@@ -7,6 +7,7 @@ log_to(snakemake.log[0])  # noqa: F821
 build(
     db_path=snakemake.output.db,  # noqa: F821
     eval_files=snakemake.input.rows,  # noqa: F821
+    speed_files=snakemake.input.speed,  # noqa: F821
     model_dirs=snakemake.input.model_dirs,  # noqa: F821
     cost_file=snakemake.input.costs,  # noqa: F821
     benchmark_files=snakemake.input.benchmarks,  # noqa: F821

@@ -58,12 +58,14 @@ def read_benchmarks(paths: list[str | Path]) -> pd.DataFrame:
 def build(
     db_path: str | Path,
     eval_files: list,
+    speed_files: list,
     model_dirs: list,
     cost_file: str | Path,
     benchmark_files: list,
     config: dict,
 ) -> None:
-    """Write every table the report reads: eval, models, costs, benchmarks, provenance."""
+    """Write every table the report reads: eval, throughput, engine_vs_pipeline, models, costs, benchmarks,
+    provenance."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
         [{**{k: v for k, v in c.items() if k not in ("layer_types", "rope", "source")},
@@ -71,7 +73,9 @@ def build(
          for c in cards]
     )
     tables = {
-        "eval": pd.concat([pd.read_parquet(f) for f in eval_files], ignore_index=True),
+        "eval": _concat(eval_files),
+        "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
+        "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
         "models": models,
         "costs": pd.read_parquet(cost_file),
         "benchmarks": read_benchmarks(benchmark_files),
@@ -87,3 +91,7 @@ def build(
                 con.unregister("frame")
         finally:
             con.close()
+
+
+def _concat(files: list) -> pd.DataFrame:
+    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)

@@ -109,7 +109,17 @@ def _check_semantics(config: dict, where: str) -> None:
                 )
     if "full" not in {m["kind"] for m in config["methods"].values()}:
         raise ConfigError(f"{where}: key 'methods': needs one method of kind 'full' (the uncompressed reference)")
+    bench = config["benchmark"]["task"]
+    if bench not in config["tasks"] or config["tasks"][bench]["kind"] != "niah" or config["tasks"][bench]["question_position"] != "after":
+        niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]
+        raise ConfigError(f"{where}: key 'benchmark.task': {bench!r} must name a niah task asking after the document; candidates: {', '.join(niah) or 'none'}")
     for name, task in config["tasks"].items():
+        if task["kind"] == "niah" and task["queries"] > task["keys"]:
+            raise ConfigError(f"{where}: key 'tasks.{name}.queries': {task['queries']} exceeds keys {task['keys']}; ask at most as many keys as there are")
+        if task["kind"] == "common_words" and task["uncommon_freq"] >= task["common_freq"]:
+            raise ConfigError(f"{where}: key 'tasks.{name}.uncommon_freq': must be below common_freq {task['common_freq']}")
+        if task["kind"] == "recency" and max(task["from_end_tokens"]) >= min(task["context_tokens"]):
+            raise ConfigError(f"{where}: key 'tasks.{name}.from_end_tokens': each must be below every context length ({min(task['context_tokens'])})")
         for n in task["context_tokens"]:
             for model, spec in config["models"].items():
                 limit = spec.get("max_position_embeddings")

@@ -230,15 +230,18 @@ def stop_ids(model) -> set[int]:
 
 
 @torch.no_grad()
-def greedy_decode(model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int) -> list[list[int]]:
+def greedy_decode(
+    model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int, stop: bool = True
+) -> list[list[int]]:
     """Feed `tail` after each cache at original positions `start…`, then decode greedily, all rows as one
-    batch, until every row has produced EOS or the cap. Each row's ids end at its first EOS.
+    batch, until every row has produced EOS or the cap. Each row's ids end at its first EOS (with `stop`
+    false EOS is ignored: exactly `max_new_tokens` steps, for timing).
 
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
     RoPE rotation they were cached with.
     """
     batch = Batch(model, caches)
-    eos = stop_ids(model)
+    eos = stop_ids(model) if stop else set()
     x = torch.tensor([tail] * batch.size, device=model.device)
     pos = start
     out: list[list[int]] = [[] for _ in range(batch.size)]

@@ -51,11 +51,12 @@ def run_job(
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     samples = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)
     grid = variants(run["methods"], run["budgets"])
+    max_new_tokens = task_spec.get("max_new_tokens", run["max_new_tokens"])
     log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
     rows = []
     t0 = time.perf_counter()
     for sample in tqdm(samples, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample"):
-        rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], run["max_new_tokens"]))
+        rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], max_new_tokens))
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]

@@ -10,7 +10,7 @@ import random
 from kvlab.tasks.base import Sample, chat_prompt
 
 NAMES = ("Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Leo")
-INSTRUCTION = "Solve the problem. Reason step by step in a few short lines, then finish with 'The answer is N.'"
+INSTRUCTION = "Solve the problem step by step, briefly, then finish with: The answer is N."
 
 
 def marbles(rng, name, friend):

@@ -32,6 +32,7 @@ class Prompt:
     suffix: list[int]
     followups: tuple[Turn, ...] = ()
     reference: list[int] = field(default_factory=list)
+    text: tuple[str, str] = ("", "")  # the user's text before the question, and the question (un-templated)
 
     @property
     def tokens(self) -> int:
@@ -100,7 +101,9 @@ def chat_prompt(tokenizer, before: str, question: str, followups: list[tuple[str
             raise ValueError("the chat template renders earlier turns differently once a later turn is added")
         turns.append(Turn(encode(tokenizer, rendered[len(fed) :]), list(gold)))
         fed = rendered
-    return Prompt(encode(tokenizer, head), encode(tokenizer, q), encode(tokenizer, suffix), tuple(turns))
+    return Prompt(
+        encode(tokenizer, head), encode(tokenizer, q), encode(tokenizer, suffix), tuple(turns), text=(before, question)
+    )
 
 
 def encode(tokenizer, text: str) -> list[int]:

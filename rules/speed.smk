@@ -1,0 +1,47 @@
+# Speed measurements that are not task scores: decode throughput per method, and the engine vs kvpress's
+# pipeline on the same grid. Both write one Parquet file per job.
+
+
+rule throughput:
+    input:
+        model_dir="resources/models/{model}",
+    output:
+        rows="results/speed/throughput/{model}/{ctx}.parquet",
+    params:
+        new_tokens=config["throughput"]["new_tokens"],
+        run=lambda w: run_params(),
+    log:
+        "logs/throughput/{model}/{ctx}.log",
+    benchmark:
+        "results/benchmarks/throughput/{model}/{ctx}.tsv"
+    threads: config["threads"]
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    conda:
+        "../envs/kvlab.yaml"
+    script:
+        "../workflow/throughput.py"
+
+
+rule engine_vs_pipeline:
+    input:
+        model_dir="resources/models/{model}",
+    output:
+        rows="results/speed/engine_vs_pipeline/{model}.parquet",
+    params:
+        bench=config["benchmark"],
+        task=config["tasks"][config["benchmark"]["task"]],
+        run=lambda w: run_params(),
+    log:
+        "logs/engine_vs_pipeline/{model}.log",
+    benchmark:
+        "results/benchmarks/engine_vs_pipeline/{model}.tsv"
+    threads: config["threads"]
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    conda:
+        "../envs/kvlab.yaml"
+    script:
+        "../workflow/engine_vs_pipeline.py"

@@ -1,0 +1,116 @@
+"""Two measurements that are not task scores.
+
+* ``engine_vs_pipeline``: the same grid (samples × variants, question-agnostic) evaluated by our engine
+  (one prefill per sample, every variant compressed from it and decoded as one batch) and by kvpress's own
+  pipeline, one call per variant (each call prefills, compresses and decodes alone). Both decode greedily
+  from identical token ids, so their answers must agree; the row records wall times and the agreement.
+* ``throughput``: per variant, decode speed at batch 1 from a prefilled prose context, and the KV bytes
+  held after compression and at the end of decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvlab.engine import compress, cache_stats, evaluate_sample, greedy_decode, prefill
+from kvlab.evaluate import device_name, load_model
+from kvlab.io import atomic_path
+from kvlab.methods import variants
+from kvlab.models.card import read_card
+from kvlab.tasks import GENERATORS
+
+log = logging.getLogger(__name__)
+
+
+def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: int, samples: int, run: dict, out_path) -> pd.DataFrame:
+    from transformers import pipeline
+
+    import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
+
+    torch.set_num_threads(run["threads"])
+    card = read_card(model_dir)
+    model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
+    chosen = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)[:samples]
+    if any(not s.prompt.text[1] for s in chosen):
+        raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
+    grid = variants(run["methods"], run["budgets"])
+    max_new = task_spec.get("max_new_tokens", run["max_new_tokens"])
+
+    t0 = time.perf_counter()
+    ours = {}
+    for s in chosen:
+        for r in evaluate_sample(model, tokenizer, s, grid, ["agnostic"], max_new):
+            ours[(s.sample_id, r["method"], r["budget"])] = r["prediction"]
+    engine_s = time.perf_counter() - t0
+    log.info("engine: %.1f s for %d samples × %d variants", engine_s, len(chosen), len(grid))
+
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
+    t0 = time.perf_counter()
+    theirs = {}
+    for s in chosen:
+        before, question = s.prompt.text
+        for v in grid:
+            answer = pipe(before, question=question, press=v.make_press(), max_new_tokens=max_new)["answer"]
+            theirs[(s.sample_id, v.method, v.budget)] = answer
+    pipeline_s = time.perf_counter() - t0
+    log.info("kvpress pipeline: %.1f s", pipeline_s)
+    agree = sum(ours[k].strip() == theirs[k].strip() for k in theirs) / len(theirs)
+    for k in theirs:
+        if ours[k].strip() != theirs[k].strip():
+            log.warning("answers differ for %s: engine %r, pipeline %r", k, ours[k], theirs[k])
+    frame = pd.DataFrame(
+        [
+            {
+                "model": card["name"], "task": task, "context_tokens": context_tokens, "samples": len(chosen),
+                "variants": len(grid), "max_new_tokens": max_new, "engine_s": engine_s, "pipeline_s": pipeline_s,
+                "speedup": pipeline_s / engine_s, "agreement": agree, "dtype": run["dtype"],
+                "device": device_name(run["device"]),
+            }
+        ]
+    )
+    write_rows(frame, out_path)
+    return frame
+
+
+def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_path) -> pd.DataFrame:
+    """Decode `new_tokens` at batch 1 after each variant's compressed cache (EOS ignored, so every variant
+    decodes the same number of steps); one row per variant."""
+    torch.set_num_threads(run["threads"])
+    card = read_card(model_dir)
+    model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
+    spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 2}
+    sample = GENERATORS["continuation"]("throughput", spec, tokenizer, context_tokens)[0]
+    t0 = time.perf_counter()
+    base = prefill(model, sample.prompt.context)
+    prefill_s = time.perf_counter() - t0
+    rows = []
+    for v in variants(run["methods"], run["budgets"]):
+        cache = compress(model, base, v)
+        held = cache_stats(cache)
+        greedy_decode(model, [cache], sample.prompt.suffix, base.length, 2, stop=False)  # warm-up
+        cache = compress(model, base, v)
+        t0 = time.perf_counter()
+        (ids,) = greedy_decode(model, [cache], sample.prompt.suffix, base.length, new_tokens, stop=False)
+        seconds = time.perf_counter() - t0
+        rows.append(
+            {
+                "model": card["name"], "context_tokens": context_tokens, "method": v.method, "budget": v.budget,
+                "new_tokens": len(ids), "decode_s": seconds, "tokens_per_s": len(ids) / seconds,
+                "prefill_s": prefill_s, "kv_bytes": held["kv_bytes"], "kv_tokens_mean": held["kv_tokens_mean"],
+                "dtype": run["dtype"], "device": device_name(run["device"]),
+            }
+        )
+        log.info("%s: %.2f tokens/s, %d KV bytes", v.label, rows[-1]["tokens_per_s"], held["kv_bytes"])
+    frame = pd.DataFrame(rows)
+    write_rows(frame, out_path)
+    return frame
+
+
+def write_rows(frame: pd.DataFrame, out_path: str | Path) -> None:
+    with atomic_path(out_path) as tmp:
+        frame.to_parquet(tmp, index=False)

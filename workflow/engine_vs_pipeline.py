@@ -1,0 +1,18 @@
+"""Rule engine_vs_pipeline: the same grid by kvlab's engine and by kvpress's pipeline (wall time, agreement)."""
+
+from kvlab.io import log_to
+
+log_to(snakemake.log[0])  # noqa: F821
+
+from kvlab.benchmark import engine_vs_pipeline  # noqa: E402
+
+bench = snakemake.params.bench  # noqa: F821
+engine_vs_pipeline(
+    model_dir=snakemake.input.model_dir,  # noqa: F821
+    task=bench["task"],
+    task_spec=snakemake.params.task,  # noqa: F821
+    context_tokens=bench["context_tokens"],
+    samples=bench["samples"],
+    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    out_path=snakemake.output.rows,  # noqa: F821
+)

@@ -1,0 +1,15 @@
+"""Rule throughput: decode tokens/s at batch 1 per method → results/speed/throughput/{model}/{ctx}.parquet."""
+
+from kvlab.io import log_to
+
+log_to(snakemake.log[0])  # noqa: F821
+
+from kvlab.benchmark import throughput  # noqa: E402
+
+throughput(
+    model_dir=snakemake.input.model_dir,  # noqa: F821
+    context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
+    new_tokens=snakemake.params.new_tokens,  # noqa: F821
+    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    out_path=snakemake.output.rows,  # noqa: F821
+)
