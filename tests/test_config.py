@@ -27,6 +27,20 @@ def test_default_config_is_valid_and_defaults_filled(config):
     assert out["max_new_tokens"] == 16
     assert out["models"]["qwen2.5-0.5b"]["dtype"] == "float32"
     assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 64, "kernel_size": 5}
+    assert out["tasks"]["niah_prose"] == {
+        "kind": "niah", "haystack": "prose", "context_tokens": [1024], "depths": [0.5], "samples": 2, "seed": 0,
+        "keys": 1, "values": 1, "queries": 1, "question_position": "after",
+    }
+    assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32}
+
+
+def test_every_preset_covers_every_task_kind(config):
+    """smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
+    schema = yaml.safe_load(SCHEMA.read_text())
+    kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
+    for preset in ("default", "smoke", "full"):
+        out = resolve({**config, "preset": preset}, SCHEMA)
+        assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
 
 
 def test_preset_replaces_top_level_keys(config):
@@ -66,10 +80,19 @@ BAD = [
     (("models", "qwen2.5-0.5b", "source"), "ftp", "config: key 'models.qwen2.5-0.5b.source': 'ftp' is not allowed; allowed: pypi-gguf, hub, tiny"),
     (("models", "bad/name"), {"source": "tiny"}, "config: name 'bad/name' under 'models' must match"),
     (("tasks", "niah_single", "context_tokens"), [64], "config: key 'tasks.niah_single.context_tokens[0]': 64 must be >= 128"),
-    (("tasks", "niah_single", "kind"), "haystack", "config: key 'tasks.niah_single.kind': 'haystack' is not allowed; allowed: niah_single"),
+    (("tasks", "niah_single", "kind"), "haystack", "config: key 'tasks.niah_single.kind': 'haystack' is not allowed; allowed: niah, recency, variable_tracking, multi_turn, common_words, frequent_words, arithmetic, continuation"),
     (("tasks", "niah_single", "depths"), [], "config: key 'tasks.niah_single.depths': must not be empty"),
+    (("tasks", "niah_single", "haystack"), "essays", "config: key 'tasks.niah_single.haystack': 'essays' is not allowed; allowed: noise, prose"),
+    (("tasks", "niah_single", "hops"), 3, "config: unknown key 'hops' under 'tasks.niah_single'; allowed: context_tokens, depths, haystack, keys"),
+    (("tasks", "niah_multiquery", "queries"), 5, "preset 'default': key 'tasks.niah_multiquery.queries': 5 exceeds keys 3"),
+    (("tasks", "recency", "from_end_tokens"), [2000], "preset 'default': key 'tasks.recency.from_end_tokens': each must be below every context length (1024)"),
+    (("tasks", "recency", "from_end_tokens"), DELETE, "config: key 'tasks.recency': missing required key 'from_end_tokens'"),
+    (("tasks", "common_words", "uncommon_freq"), 10, "preset 'default': key 'tasks.common_words.uncommon_freq': must be below common_freq 10"),
+    (("tasks", "prose_kl", "continuation_tokens"), 1, "config: key 'tasks.prose_kl.continuation_tokens': 1 must be >= 2"),
+    (("benchmark", "task"), "recency", "preset 'default': key 'benchmark.task': 'recency' must name a niah task asking after the document; candidates: niah_single"),
+    (("throughput", "new_tokens"), 0, "config: key 'throughput.new_tokens': 0 must be >= 1"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 

@@ -6,28 +6,50 @@ import sys
 from pathlib import Path
 
 import duckdb
+import yaml
 
 from conftest import snakemake
+from kvlab.config import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def smoke_config():
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    return resolve({**config, "preset": "smoke"}, ROOT / "workflow" / "config.schema.yaml")
+
+
+def expected_samples(spec: dict) -> int:
+    points = spec.get("depths") or spec.get("from_end_tokens") or [None]
+    return len(points) * spec["samples"] * len(spec["context_tokens"])
+
+
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     con = duckdb.connect(str(smoke_run / "results" / "kvlab.duckdb"), read_only=True)
-    rows = con.execute("SELECT count(*), count(DISTINCT sample_id) FROM eval").fetchone()
-    # 2 samples × (full + snapkv at 2 budgets) × 2 question modes
-    assert rows == (12, 2)
+    config = smoke_config()
+    n_variants = sum(1 if m["kind"] == "full" else len(config["budgets"]) for m in config["methods"].values())
+    modes = len(config["question_modes"])
+    for task, spec in config["tasks"].items():
+        turns = 2 if spec["kind"] == "multi_turn" else 1
+        rows = con.execute("SELECT count(*), count(DISTINCT sample_id) FROM eval WHERE task = ?", [task]).fetchone()
+        assert rows == (expected_samples(spec) * n_variants * modes * turns, expected_samples(spec)), task
     cols = {r[0] for r in con.execute("DESCRIBE eval").fetchall()}
-    assert {"model", "task", "context_tokens", "depth", "seed", "method", "budget", "question_mode", "prediction",
-            "score", "kv_bytes", "prefill_s", "decode_s"} <= cols
+    assert {"model", "task", "task_kind", "context_tokens", "depth", "seed", "method", "budget", "question_mode",
+            "turn", "prediction", "score", "kv_bytes", "kl_vs_full", "nll", "ppl", "prefill_s", "decode_s",
+            "decode_batch"} <= cols
     assert con.execute("SELECT DISTINCT model FROM eval").fetchall() == [("tiny-qwen2",)]
     assert con.execute("SELECT count(*) FROM eval WHERE kv_bytes <> kv_bytes_formula").fetchone() == (0,)
-    modes = con.execute("SELECT question_mode, count(*) FROM eval GROUP BY 1 ORDER BY 1").fetchall()
-    assert modes == [("agnostic", 6), ("aware", 6)]
+    assert con.execute("SELECT max(abs(kl_vs_full)) FROM eval WHERE method_kind = 'full'").fetchone()[0] < 1e-6
+    assert con.execute("SELECT min(kl_vs_full) FROM eval WHERE method_kind <> 'full'").fetchone()[0] > 0
+    speed = con.execute("SELECT count(*), min(tokens_per_s) FROM throughput").fetchone()
+    assert speed[0] == n_variants and speed[1] > 0
+    bench = con.execute("SELECT variants, agreement, engine_s > 0, pipeline_s > 0 FROM engine_vs_pipeline").fetchall()
+    assert bench == [(n_variants, 1.0, True, True)]
     assert con.execute("SELECT count(*) FROM costs WHERE source = 'article'").fetchone()[0] == 5
     assert con.execute("SELECT count(*) FROM costs WHERE model = 'tiny-qwen2'").fetchone()[0] > 0
     jobs = {r[0] for r in con.execute("SELECT job FROM benchmarks").fetchall()}
-    assert jobs == {"acquire_model/tiny-qwen2", "evaluate/tiny-qwen2/niah_single/512"}
+    evaluations = {f"evaluate/tiny-qwen2/{t}/{c}" for t, spec in config["tasks"].items() for c in spec["context_tokens"]}
+    assert jobs == {"acquire_model/tiny-qwen2", "throughput/tiny-qwen2/256", "engine_vs_pipeline/tiny-qwen2"} | evaluations
     prov = dict(con.execute("SELECT key, value FROM provenance").fetchall())
     assert prov["preset"] == "smoke" and len(prov["config_hash"]) == 16
     assert (smoke_run / "results" / "eval" / "tiny-qwen2" / "niah_single" / "512.parquet").is_file()
@@ -50,7 +72,7 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
     proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    for rule in ("acquire_model", "evaluate", "cost_table", "collect", "report"):
+    for rule in ("acquire_model", "evaluate", "throughput", "engine_vs_pipeline", "cost_table", "collect", "report"):
         assert rule in out
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine import cache_stats, compress, evaluate_sample, greedy_decode, prefill
+from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill
 from kvlab.methods import Variant, variants
 from kvlab.tasks import GENERATORS
 
@@ -18,8 +18,8 @@ PRESSES = [
 
 @pytest.fixture(scope="module")
 def sample(tiny):
-    spec = {"kind": "niah_single", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah_single"]("niah_single", spec, tiny[1], 700)[0]
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
+    return GENERATORS["niah"]("niah_single", spec, tiny[1], 700)[0]
 
 
 def hook_compressed(model, press, ids):
@@ -61,7 +61,7 @@ def test_full_decode_equals_hf_generate(tiny, sample):
     model, tokenizer = tiny
     p = sample.prompt
     base = prefill(model, p.context)
-    ours = greedy_decode(model, tokenizer, compress(model, base, Variant("full", "full", 1.0)), p.question + p.suffix, base.length, 12)
+    (ours,) = greedy_decode(model, [compress(model, base, Variant("full", "full", 1.0))], p.question + p.suffix, base.length, 12)
     ref = model.generate(torch.tensor([p.context + p.question + p.suffix]), max_new_tokens=12, do_sample=False)
     expected = ref[0, p.tokens :].tolist()
     assert ours == expected[: len(ours)]
@@ -74,7 +74,7 @@ def test_rows_cover_grid_and_bytes_are_measured(tiny, sample):
         [0.5, 0.25],
     )
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware"], 4)
-    assert len(rows) == 3 * 2
+    assert len(rows) == 3 * 2 and {r["turn"] for r in rows} == {1} and {r["decode_batch"] for r in rows} == {3}
     per_token = 2 * 2 * 2 * 16 * 4  # layers × (K,V) × kv_heads × head_dim × fp32 bytes
     p = sample.prompt
     for r in rows:
@@ -90,3 +90,70 @@ def test_cache_stats_counts_stored_tensors():
     cache = DynamicCache()
     cache.update(torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8), 0)
     assert cache_stats(cache) == {"kv_bytes": 2 * 2 * 10 * 8 * 4, "kv_tokens_mean": 10.0}
+
+
+SNAP = {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}
+STREAM = {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": 4}}
+
+
+def test_padded_rows_decode_as_if_alone(tiny, sample):
+    """A short (compressed) row batched with a long one gives the logits it gives alone: padding is masked."""
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context)
+    short = compress(model, base, Variant("s", "kvpress", 0.25, SNAP))
+    full = compress(model, base, Variant("full", "full", 1.0))
+    tail = torch.tensor([p.question + p.suffix])
+    alone = Batch(model, [short]).forward(tail, base.length, logits_to_keep=tail.shape[1])
+    together = Batch(model, [short, full]).forward(tail.expand(2, -1), base.length, logits_to_keep=tail.shape[1])
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-5)
+    unpadded = Batch(model, [full]).forward(tail, base.length, logits_to_keep=tail.shape[1])
+    torch.testing.assert_close(together[1], unpadded[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(together[0], together[1], atol=1e-3)  # the rows really differ
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("niah", {"depths": [0.3, 0.8], "samples": 2, "seed": 1}),
+    ("multi_turn", {"depths": [0.4], "samples": 2, "seed": 1}),
+])
+def test_engine_equals_one_method_at_a_time(tiny, kind, spec):
+    """All variants decoded as one batch give the same answers and KL as each variant run alone."""
+    model, tokenizer = tiny
+    methods = {"full": {"kind": "full"}, "snapkv": SNAP, "streaming": STREAM}
+    grid = variants(methods, [0.5, 0.25])
+    for sample in GENERATORS[kind](kind, spec, tokenizer, 600):
+        together = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware"], 6)
+        for v in grid:
+            alone = evaluate_sample(model, tokenizer, sample, [grid[0], v] if v.kind != "full" else [v], ["agnostic", "aware"], 6)
+            mine = [r for r in together if (r["method"], r["budget"]) == (v.method, v.budget)]
+            theirs = [r for r in alone if (r["method"], r["budget"]) == (v.method, v.budget)]
+            assert [(r["question_mode"], r["turn"], r["prediction"]) for r in mine] == [
+                (r["question_mode"], r["turn"], r["prediction"]) for r in theirs
+            ]
+            for a, b in zip(mine, theirs):
+                assert a["kl_vs_full"] == pytest.approx(b["kl_vs_full"], abs=1e-6)
+        turns = {r["turn"] for r in together}
+        assert turns == ({1, 2} if kind == "multi_turn" else {1})
+
+
+def test_kl_is_zero_for_full_and_grows_with_eviction(tiny):
+    model, tokenizer = tiny
+    spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 48}
+    (sample,) = GENERATORS["continuation"]("prose", spec, tokenizer, 600)
+    grid = variants({"full": {"kind": "full"}, "streaming": STREAM}, [0.5, 0.1])
+    rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
+    kl = {r["budget"]: r["kl_vs_full"] for r in rows}
+    assert kl[1.0] == pytest.approx(0.0, abs=1e-7)
+    assert 0 < kl[0.5] < kl[0.1]
+    assert all(r["tf_tokens"] == 48 and r["prediction"] == "" and r["new_tokens"] == 0 for r in rows)
+    assert rows[0]["ppl"] == pytest.approx(torch.tensor(rows[0]["nll"]).exp().item(), rel=1e-5)
+
+
+def test_question_first_modes_share_one_computation(tiny):
+    model, tokenizer = tiny
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0, "question_position": "before"}
+    (sample,) = GENERATORS["niah"]("qfirst", spec, tokenizer, 600)
+    rows = evaluate_sample(model, tokenizer, sample, variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5]), ["agnostic", "aware"], 4)
+    agnostic = [r for r in rows if r["question_mode"] == "agnostic"]
+    aware = [r for r in rows if r["question_mode"] == "aware"]
+    assert [{**r, "question_mode": "x"} for r in agnostic] == [{**r, "question_mode": "x"} for r in aware]

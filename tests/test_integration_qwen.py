@@ -1,7 +1,9 @@
-"""The real default model on the real task: a 1K-token needle, answered with the full cache."""
+"""The real default model on the real tasks: a 1K-token needle answered with the full cache, and the
+engine's answers equal to kvpress's own pipeline."""
 
 import pytest
 
+from kvlab.benchmark import engine_vs_pipeline
 from kvlab.engine import evaluate_sample
 from kvlab.methods import variants
 from kvlab.tasks import GENERATORS
@@ -11,8 +13,8 @@ pytestmark = pytest.mark.integration
 
 def test_qwen_finds_a_1k_needle_with_full_cache(qwen):
     model, tokenizer = qwen
-    spec = {"kind": "niah_single", "depths": [0.5], "samples": 1, "seed": 0}
-    (sample,) = GENERATORS["niah_single"]("niah_single", spec, tokenizer, 1024)
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}
+    (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 1024)
     assert 1024 - 30 < sample.prompt.tokens <= 1024
     grid = variants({"full": {"kind": "full"}}, [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 16)
@@ -23,10 +25,25 @@ def test_qwen_finds_a_1k_needle_with_full_cache(qwen):
 def test_qwen_geometry_in_bytes(qwen):
     """24 layers × 2 KV heads × 64 dims × K,V × 4 bytes (float32) = 24,576 bytes per token held."""
     model, tokenizer = qwen
-    spec = {"kind": "niah_single", "depths": [0.5], "samples": 1, "seed": 1}
-    (sample,) = GENERATORS["niah_single"]("niah_single", spec, tokenizer, 512)
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 1}
+    (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 512)
     grid = variants({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {}}}, [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 2)
     n = len(sample.prompt.context)
     assert rows[0]["kv_bytes"] == 24_576 * n
     assert rows[1]["kv_bytes"] == 24_576 * int(n * 0.25)
+
+
+def test_engine_answers_equal_kvpress_pipeline_snapkv_1k(qwen_dir, tmp_path):
+    """The same SnapKV grid at 1K tokens by our batched engine and by kvpress's pipeline, one call per
+    variant: identical answers (the benchmark row records both wall times)."""
+    run = {
+        "methods": {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 64, "kernel_size": 5}}},
+        "budgets": [0.5, 0.25], "question_modes": ["agnostic"], "max_new_tokens": 12,
+        "dtype": "float32", "device": "cpu", "threads": 2,
+    }
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0, "haystack": "noise", "keys": 1, "values": 1,
+            "queries": 1, "question_position": "after"}
+    row = engine_vs_pipeline(qwen_dir, "niah_single", spec, 1024, 1, run, tmp_path / "bench.parquet").iloc[0]
+    assert row["variants"] == 3 and row["agreement"] == 1.0
+    assert (tmp_path / "bench.parquet").is_file()

@@ -24,3 +24,13 @@ def test_case_and_control_characters():
 def test_empty_gold_is_an_error():
     with pytest.raises(ValueError, match="at least one gold"):
         string_match_all("x", [])
+
+
+def test_last_number_takes_the_final_number():
+    from kvlab.tasks.scoring import last_number, score
+
+    assert last_number("3 + 4 = 7, so the answer is 1,234.", ["1234"]) == 1.0
+    assert last_number("The answer is 12. Then 13", ["12"]) == 0.0
+    assert last_number("no digits", ["5"]) == 0.0
+    assert last_number("-3", ["-3"]) == 1.0
+    assert score("none", "anything", []) != score("none", "anything", [])  # NaN: not scored

@@ -44,7 +44,7 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     t0 = time.perf_counter()
     ours = {}
     for s in chosen:
-        for r in evaluate_sample(model, tokenizer, s, grid, ["agnostic"], max_new):
+        for r in evaluate_sample(model, tokenizer, s, grid, ["agnostic"], max_new, kl=False):  # answers only, as the pipeline
             ours[(s.sample_id, r["method"], r["budget"])] = r["prediction"]
     engine_s = time.perf_counter() - t0
     log.info("engine: %.1f s for %d samples × %d variants", engine_s, len(chosen), len(grid))

@@ -282,12 +282,15 @@ def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     ]
 
 
-def evaluate_sample(model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int):
+def evaluate_sample(
+    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
+):
     """Rows for one sample: every variant × question mode × turn, from one shared prefill per mode.
 
     Per mode, each variant compresses its own copy of the prefilled cache; all variants then decode as one
-    batch. KL and NLL are teacher-forced along one path per sample and turn: the sample's reference text
-    if it has one, else the full cache's own answer (so KL measures how far each method drifts from full).
+    batch. With `kl`, KL and NLL are teacher-forced along one path per sample and turn: the sample's
+    reference text if it has one, else the full cache's own answer (so KL measures how far each method
+    drifts from full).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -324,7 +327,9 @@ def evaluate_sample(model, tokenizer, sample: Sample, variants: list[Variant], m
             decode_s = time.perf_counter() - t0
             path = p.reference if (p.reference and number == 1) else decoded[ref]
             t0 = time.perf_counter()
-            div = divergence(teacher_forced(model, caches, turn_tail, path, base.length), path, ref) if path else [{} for _ in variants]
+            div = [{} for _ in variants]
+            if kl and path:
+                div = divergence(teacher_forced(model, caches, turn_tail, path, base.length), path, ref)
             tf_s = time.perf_counter() - t0
             for i, variant in enumerate(variants):
                 prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)

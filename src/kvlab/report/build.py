@@ -104,6 +104,16 @@ def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> st
     )
 
 
+TASK_NOTE = (
+    "<p>Every sample is generated with a seed and fitted to its context length with the model's own tokenizer "
+    "(chat template included). niah: needles in noise sentences or King James prose (multi-key: distractor "
+    "needles; multi-value: every value of one key; multi-query: several keys; question first: the question "
+    "before the document). recency: the needle in the last tokens. variable_tracking: chains of variable "
+    "assignments (multi-hop). multi_turn: a second question about another needle on the cache compressed "
+    "for the first (turn 2). common_words / frequent_words: aggregation over redundant input. arithmetic: "
+    "short word problems, scored by the last number. continuation: true prose teacher-forced, KL only.</p>"
+)
+
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
 table{display:block;overflow-x:auto;border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
@@ -134,6 +144,30 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             queries["accuracy"],
         ),
         section(
+            "Divergence from the full cache",
+            "<p>Per-token KL(full ‖ method) in nats, averaged over the teacher-forced path, and the change in "
+            "perplexity on it. On prose the path is the text's true continuation; on question tasks it is the "
+            "full cache's own answer, so the KL says how far a method's next-token distribution drifts where "
+            "the uncompressed model was going.</p>" + table(q["divergence"]),
+            queries["divergence"],
+        ),
+        section(
+            "Decode throughput",
+            "<p>Greedy decoding at batch 1 after each method's compression (EOS ignored, so every method decodes "
+            "the same number of steps). On a CPU with a small model, reading the weights dominates each step; "
+            "fewer cached tokens matter more at long contexts and on accelerators.</p>" + table(q["throughput"]),
+            queries["throughput"],
+        ),
+        section(
+            "Engine vs kvpress pipeline",
+            "<p>The same samples and variants, question-agnostic. kvlab's engine prefills each sample once, "
+            "compresses a copy of the cache per variant and decodes all variants as one batch; kvpress's pipeline "
+            "prefills, compresses and decodes once per variant. Both produce answers only here (the engine's "
+            "teacher-forced KL pass is off for this comparison). Agreement is the fraction of identical answers.</p>"
+            + table(q["engine_vs_pipeline"]),
+            queries["engine_vs_pipeline"],
+        ),
+        section(
             "Cost table (article §8, recomputed)",
             "<p>Bytes per token = 2 × layers × KV heads × head_dim × bytes per element, plus group metadata "
             "for integer schemes; the article's printed figure beside ours.</p>" + table(q["cost_article"]),
@@ -147,6 +181,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             queries["bytes_measured"],
         ),
         section("Models", table(q["models"]), queries["models"]),
+        section("Task suite", TASK_NOTE + table(q["tasks"]), queries["tasks"]),
         section("Provenance", table(q["provenance"]) + "<h3>Wall time per job</h3>" + table(q["timings"]), queries["timings"]),
     ]
     page = (

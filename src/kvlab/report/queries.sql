@@ -1,27 +1,68 @@
 -- The SQL behind every table and chart of the report; each block runs against results/kvlab.duckdb.
 
+-- name: tasks
+-- The task suite as generated for this run: samples, prompt length and scorer per task.
+SELECT model, task, task_kind, metric, context_tokens, count(DISTINCT sample_id) AS samples,
+       round(avg(prompt_tokens)) AS mean_prompt_tokens, max(turn) AS turns
+FROM eval WHERE method_kind = 'full' AND question_mode = 'agnostic'
+GROUP BY ALL ORDER BY model, task, context_tokens;
+
 -- name: accuracy
--- Accuracy (mean score over samples) per model, task, context length, method, budget and question mode.
-SELECT model, task, context_tokens, method, budget, question_mode,
+-- Accuracy (mean score over samples) per model, task (and turn), context length, method, budget and
+-- question mode. Tasks scored only by KL (metric 'none') are left out.
+SELECT model, task || CASE WHEN turn > 1 THEN ' · turn ' || turn ELSE '' END AS task, context_tokens,
+       method, budget, question_mode,
        avg(score) AS accuracy, count(*) AS samples,
        avg(kv_bytes) AS kv_bytes, avg(kv_tokens_mean) AS kv_tokens
-FROM eval
+FROM eval WHERE metric <> 'none'
 GROUP BY ALL
 ORDER BY model, task, context_tokens, question_mode, method, budget DESC;
 
 -- name: versus_full
 -- Each compressed variant against the full cache on the same samples: accuracy change in points.
-WITH reference AS (
-    SELECT model, task, context_tokens, question_mode, avg(score) AS full_accuracy
-    FROM eval WHERE method_kind = 'full' GROUP BY ALL
+WITH scored AS (
+    SELECT *, task || CASE WHEN turn > 1 THEN ' · turn ' || turn ELSE '' END AS task_turn
+    FROM eval WHERE metric <> 'none'
+), reference AS (
+    SELECT model, task_turn, context_tokens, question_mode, avg(score) AS full_accuracy
+    FROM scored WHERE method_kind = 'full' GROUP BY ALL
 )
-SELECT e.model, e.task, e.context_tokens, e.question_mode, e.method, e.budget,
+SELECT e.model, e.task_turn AS task, e.context_tokens, e.question_mode, e.method, e.budget,
        avg(e.score) AS accuracy, any_value(f.full_accuracy) AS full_accuracy,
        100 * (avg(e.score) - any_value(f.full_accuracy)) AS delta_points, count(*) AS samples
-FROM eval e JOIN reference f USING (model, task, context_tokens, question_mode)
+FROM scored e JOIN reference f USING (model, task_turn, context_tokens, question_mode)
 WHERE e.method_kind <> 'full'
 GROUP BY ALL
-ORDER BY e.model, e.task, e.context_tokens, e.question_mode, e.method, e.budget DESC;
+ORDER BY e.model, task, e.context_tokens, e.question_mode, e.method, e.budget DESC;
+
+-- name: divergence
+-- Per-token KL(full ‖ method) and perplexity change along a teacher-forced path: the true continuation for
+-- prose tasks (metric 'none'), the full cache's own answer elsewhere. Δ perplexity is paired by sample.
+WITH paired AS (
+    SELECT e.*, f.ppl AS full_ppl
+    FROM eval e JOIN eval f
+      ON f.method_kind = 'full' AND e.model = f.model AND e.sample_id = f.sample_id
+     AND e.question_mode = f.question_mode AND e.turn = f.turn
+)
+SELECT model, task, CASE WHEN metric = 'none' THEN 'true continuation' ELSE 'full cache answer' END AS path,
+       context_tokens, method, budget, question_mode,
+       avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl) AS ppl,
+       avg(ppl - full_ppl) AS delta_ppl, avg(tf_tokens) AS tokens, count(*) AS samples
+FROM paired WHERE method_kind <> 'full'
+GROUP BY ALL
+ORDER BY model, path DESC, task, context_tokens, question_mode, method, budget DESC;
+
+-- name: throughput
+-- Decode speed at batch 1 after each method's compression, and the KV bytes it holds.
+SELECT model, context_tokens, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
+       kv_bytes, kv_tokens_mean AS kv_tokens, device
+FROM throughput ORDER BY model, context_tokens, method, budget DESC;
+
+-- name: engine_vs_pipeline
+-- Wall time of the same grid (samples × variants, question-agnostic): kvlab's engine vs kvpress's pipeline
+-- called once per variant; agreement = fraction of identical answers.
+SELECT model, task, context_tokens, samples, variants, max_new_tokens, engine_s, pipeline_s, speedup, agreement, device
+FROM engine_vs_pipeline ORDER BY model;
 
 -- name: cost_article
 -- The article's §8 cost table, recomputed by kvlab.kernels.accounting.
@@ -40,7 +81,7 @@ SELECT model, method, budget, question_mode, dtype,
        avg(compressed_tokens) AS prompt_part_tokens, avg(kv_tokens_mean) AS kept_tokens,
        avg(kv_bytes) AS measured_bytes, avg(kv_bytes_formula) AS formula_bytes,
        sum(CASE WHEN kv_bytes = kv_bytes_formula THEN 1 ELSE 0 END) AS rows_equal, count(*) AS rows
-FROM eval GROUP BY ALL ORDER BY model, question_mode, method, budget DESC;
+FROM eval WHERE turn = 1 GROUP BY ALL ORDER BY model, question_mode, method, budget DESC;
 
 -- name: models
 SELECT name, architecture, num_layers, num_query_heads, num_kv_heads, head_dim, n_params, dtype, source, sha256

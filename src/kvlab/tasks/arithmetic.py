@@ -89,7 +89,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
                 kind="arithmetic",
                 sample_id=f"{name}-{template.__name__}-s{i}",
                 context_tokens=context_tokens,
-                depth=float("nan"),
+                depth=None,
                 seed=spec["seed"],
                 prompt=prompt,
                 gold=[str(answer)],

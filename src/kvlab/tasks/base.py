@@ -45,7 +45,7 @@ class Sample:
     kind: str
     sample_id: str
     context_tokens: int  # the target length
-    depth: float
+    depth: float | None  # needle position as a fraction of the document (None where it does not apply)
     seed: int
     prompt: Prompt
     gold: list[str]

@@ -43,7 +43,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, index: int, rng) 
         kind="common_words",
         sample_id=f"{name}-{target}-s{index}",
         context_tokens=target,
-        depth=float("nan"),
+        depth=None,
         seed=spec["seed"],
         prompt=build(n),
         gold=common,

@@ -32,7 +32,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
                 kind="continuation",
                 sample_id=f"{name}-{context_tokens}-s{i}",
                 context_tokens=context_tokens,
-                depth=float("nan"),
+                depth=None,
                 seed=spec["seed"],
                 prompt=prompt,
                 gold=[],

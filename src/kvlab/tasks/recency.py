@@ -12,10 +12,11 @@ from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_va
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
+    too_far = [d for d in spec["from_end_tokens"] if d >= context_tokens]
+    if too_far:
+        raise ValueError(f"task '{name}': from_end_tokens {too_far[0]} must be below context_tokens {context_tokens}")
     out = []
     for distance in spec["from_end_tokens"]:
-        if distance >= context_tokens:
-            raise ValueError(f"task '{name}': from_end_tokens {distance} must be below context_tokens {context_tokens}")
         for i in range(spec["samples"]):
             rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{distance}:{i}")
             out.append(make_sample(name, spec, tokenizer, context_tokens, distance, i, rng))

@@ -1,0 +1,177 @@
+"""Task generators: lengths fitted to the target, gold answers present and not leaked, deterministic."""
+
+import re
+
+import pytest
+
+from kvlab.tasks import GENERATORS
+from kvlab.tasks.frequent_words import zipf_counts
+from kvlab.tasks.needle import QUESTION
+
+NIAH = {"kind": "niah", "depths": [0.0, 0.5, 1.0], "samples": 2, "seed": 7, "haystack": "noise", "keys": 1,
+        "values": 1, "queries": 1, "question_position": "after"}
+SPECS = {
+    "niah": NIAH,
+    "niah_prose_multi": {**NIAH, "haystack": "prose", "keys": 4, "values": 2, "queries": 2, "depths": [0.3]},
+    "recency": {"kind": "recency", "from_end_tokens": [64, 200], "samples": 2, "seed": 7, "haystack": "noise"},
+    "variable_tracking": {"kind": "variable_tracking", "depths": [0.2, 0.6], "samples": 2, "seed": 7, "hops": 4, "chains": 2},
+    "multi_turn": {"kind": "multi_turn", "depths": [0.3], "samples": 2, "seed": 7},
+    "common_words": {"kind": "common_words", "samples": 2, "seed": 7, "common_words": 3, "common_freq": 4, "uncommon_freq": 1},
+    "frequent_words": {"kind": "frequent_words", "samples": 2, "seed": 7, "alpha": 2.0},
+    "continuation": {"kind": "continuation", "samples": 2, "seed": 7, "continuation_tokens": 40},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny[1]
+
+
+def generate(tokenizer, name, target=1000, **override):
+    spec = {**SPECS[name], **override}
+    return GENERATORS[spec["kind"]](name, spec, tokenizer, target)
+
+
+def text(tokenizer, ids):
+    return tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n != "continuation"])
+@pytest.mark.parametrize("target", [1000, 2048])
+def test_length_fits_target(tokenizer, name, target):
+    for sample in generate(tokenizer, name, target):
+        # the largest filler that fits: at most the target, and no whole filler unit short of it
+        slack = 200 if "prose" in name else 60  # a prose sentence can be long
+        assert target - slack < sample.prompt.tokens <= target, sample.prompt.tokens
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_seeded_and_deterministic(tokenizer, name):
+    a, b = generate(tokenizer, name), generate(tokenizer, name)
+    assert [s.to_dict() for s in a] == [s.to_dict() for s in b]
+    c = generate(tokenizer, name, seed=8)
+    assert [s.prompt for s in a] != [s.prompt for s in c]
+    assert len({tuple(s.prompt.context) for s in a}) == len(a)  # samples differ from each other
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n != "continuation"])
+def test_gold_in_context_and_not_in_question(tokenizer, name):
+    for s in generate(tokenizer, name):
+        context = text(tokenizer, s.prompt.context)
+        question = text(tokenizer, s.prompt.question)
+        assert s.gold and all(g in context for g in s.gold)
+        assert not any(g in question for g in s.gold)  # no leak of the answer into the question
+
+
+def test_niah_needles_keys_and_depth(tokenizer):
+    for s in generate(tokenizer, "niah", 2048):
+        context = text(tokenizer, s.prompt.context)
+        (value,) = s.gold
+        assert len(value) == 7 and value.isdigit() and context.count(value) == 1
+        assert context.count(f"for {s.meta['asked'][0]} is: {value}.") == 1
+        assert abs(context.index(value) / len(context) - s.depth) < 0.2
+        assert text(tokenizer, s.prompt.question).strip() == QUESTION.format(key=s.meta["asked"][0])
+    for s in generate(tokenizer, "niah_prose_multi", 2048):
+        context = text(tokenizer, s.prompt.context)
+        assert len(s.gold) == 4  # two keys asked × two values each
+        for key in s.meta["keys"]:
+            assert context.count(f"for {key} is:") == 2
+        question = text(tokenizer, s.prompt.question)
+        assert all(k in question for k in s.meta["asked"]) and not any(k in question for k in s.meta["keys"][2:])
+        assert "The river runs slowly" not in context  # prose, not noise
+
+
+def test_question_before_document(tokenizer):
+    (s,) = generate(tokenizer, "niah", 1000, depths=[0.5], samples=1, question_position="before")
+    context = text(tokenizer, s.prompt.context)
+    assert s.prompt.question == [] and context.index(s.meta["asked"][0]) < context.index(s.gold[0])
+    assert "mentioned in the text?" in context
+
+
+def test_recency_distance_from_the_end(tokenizer):
+    for s in generate(tokenizer, "recency", 2048):
+        context = text(tokenizer, s.prompt.context)
+        after = context[context.index(s.gold[0]) :]
+        assert s.meta["tokens_after_needle"] <= s.meta["from_end_tokens"]
+        # within one filler sentence (≤ 50 byte tokens) of the requested distance
+        assert s.meta["from_end_tokens"] - 50 <= len(tokenizer.encode(after, add_special_tokens=False)) <= s.meta["from_end_tokens"] + 60
+
+
+def test_variable_tracking_chain_resolves_to_the_value(tokenizer):
+    for s in generate(tokenizer, "variable_tracking"):
+        context = text(tokenizer, s.prompt.context)
+        bound = {}
+        for name, rhs in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", context):
+            bound[name] = bound[rhs[4:]] if rhs.startswith("VAR") else rhs
+        assert sorted(n for n, v in bound.items() if v == s.meta["value"]) == sorted(s.gold)
+        assert len(bound) == 8  # two chains of four
+
+
+def test_multi_turn_second_question_follows_the_first_answer(tokenizer):
+    for s in generate(tokenizer, "multi_turn"):
+        (turn,) = s.prompt.followups
+        follow = text(tokenizer, turn.ids)
+        first, second = s.meta["keys"]
+        assert follow.startswith(s.gold[0] + "<|im_end|>")  # the first turn's gold answer, then the next turn
+        assert second in follow and first not in follow and follow.endswith("<|im_start|>assistant\n")
+        assert turn.gold[0] in text(tokenizer, s.prompt.context) and turn.gold[0] not in follow
+
+
+def test_common_words_counts(tokenizer):
+    for s in generate(tokenizer, "common_words"):
+        words = re.findall(r"^\d+\. (\w+)$", text(tokenizer, s.prompt.context), flags=re.M)
+        counts = {w: words.count(w) for w in set(words)}
+        assert all(counts[w] == 4 for w in s.gold)
+        assert all(c == 1 for w, c in counts.items() if w not in s.gold)
+
+
+def test_frequent_words_top_three_are_unique(tokenizer):
+    for s in generate(tokenizer, "frequent_words"):
+        words = text(tokenizer, s.prompt.context).split("\n\n")[-1].split()
+        ranked = sorted(set(words), key=words.count, reverse=True)
+        assert ranked[:3] == s.gold
+        assert words.count(ranked[2]) > words.count(ranked[3])
+    counts = zipf_counts(1000, 2.0)
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[1] > counts[2] > counts[3]
+
+
+def test_continuation_is_the_true_next_text(tokenizer):
+    for s in generate(tokenizer, "continuation", 500):
+        p = s.prompt
+        assert len(p.context) + len(p.suffix) == 500 and len(p.reference) == 40
+        assert p.question == [] and s.metric == "none"
+        whole = text(tokenizer, p.context + p.suffix + p.reference)
+        assert "LORD" in whole or "God" in whole or "the" in whole  # English prose from the corpus
+
+
+def test_arithmetic_answers_are_right(tokenizer):
+    samples = GENERATORS["arithmetic"]("arith", {"samples": 10, "seed": 0}, tokenizer, 1024)
+    assert {s.meta["template"] for s in samples} == {"marbles", "bakery", "train", "savings", "orchard"}
+    for s in samples:
+        problem = text(tokenizer, s.prompt.context)
+        numbers = [int(n) for n in re.findall(r"\d+", problem)]
+        answer = int(s.gold[0])
+        assert answer > 0 and s.metric == "last_number"
+        t = s.meta["template"]
+        if t == "marbles":
+            a, b, c, d = numbers[:4]
+            assert answer == a + b * c - d
+        elif t == "train":
+            a, b, c = numbers[:3]
+            assert answer == 2 * (a - b + c)
+        elif t == "orchard":
+            a, b, c, d = numbers[:4]
+            assert answer == a * b * c - d
+
+
+@pytest.mark.parametrize("name,target,message", [
+    ("niah", 60, r"context_tokens 60 is too short; the prompt alone needs \d+ tokens"),
+    ("recency", 150, r"from_end_tokens 200 must be below context_tokens 150"),
+])
+def test_bad_parameters_are_clear_errors(tokenizer, name, target, message):
+    with pytest.raises(ValueError, match=message):
+        generate(tokenizer, name, target)
+    with pytest.raises(ValueError, match="queries"):
+        generate(tokenizer, "niah", 1000, keys=1, queries=2)
+    with pytest.raises(ValueError, match="too short; a problem needs"):
+        GENERATORS["arithmetic"]("arith", {"samples": 1, "seed": 0}, tokenizer, 40)
