@@ -31,10 +31,13 @@ def eval_rows():
 
 
 def speed_rows():
-    """Throughput per (model, context length) and one engine-vs-pipeline benchmark per model."""
+    """Throughput and the engine-vs-pipeline benchmark, per (model, context length)."""
     return [
-        f"results/speed/throughput/{model}/{ctx}.parquet" for model in MODELS for ctx in config["throughput"]["context_tokens"]
-    ] + [f"results/speed/engine_vs_pipeline/{model}.parquet" for model in MODELS]
+        f"results/speed/{kind}/{model}/{ctx}.parquet"
+        for kind, lengths in (("throughput", config["throughput"]["context_tokens"]), ("engine_vs_pipeline", config["benchmark"]["context_tokens"]))
+        for model in MODELS
+        for ctx in lengths
+    ]
 
 
 def run_params():

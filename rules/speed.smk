@@ -28,15 +28,15 @@ rule engine_vs_pipeline:
     input:
         model_dir="resources/models/{model}",
     output:
-        rows="results/speed/engine_vs_pipeline/{model}.parquet",
+        rows="results/speed/engine_vs_pipeline/{model}/{ctx}.parquet",
     params:
         bench=config["benchmark"],
         task=config["tasks"][config["benchmark"]["task"]],
         run=lambda w: run_params(),
     log:
-        "logs/engine_vs_pipeline/{model}.log",
+        "logs/engine_vs_pipeline/{model}/{ctx}.log",
     benchmark:
-        "results/benchmarks/engine_vs_pipeline/{model}.tsv"
+        "results/benchmarks/engine_vs_pipeline/{model}/{ctx}.tsv"
     threads: config["threads"]
     resources:
         mem_mb=8000,

@@ -43,13 +43,16 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     assert con.execute("SELECT min(kl_vs_full) FROM eval WHERE method_kind <> 'full'").fetchone()[0] > 0
     speed = con.execute("SELECT count(*), min(tokens_per_s) FROM throughput").fetchone()
     assert speed[0] == n_variants and speed[1] > 0
-    bench = con.execute("SELECT variants, agreement, engine_s > 0, pipeline_s > 0 FROM engine_vs_pipeline").fetchall()
-    assert bench == [(n_variants, 1.0, True, True)]
+    bench = con.execute(
+        "SELECT variants, question_modes, agreement_agnostic, engine_s > engine_agnostic_s, pipeline_s > pipeline_agnostic_s "
+        "FROM engine_vs_pipeline"
+    ).fetchall()
+    assert bench == [(n_variants, "agnostic,aware", 1.0, True, True)]
     assert con.execute("SELECT count(*) FROM costs WHERE source = 'article'").fetchone()[0] == 5
     assert con.execute("SELECT count(*) FROM costs WHERE model = 'tiny-qwen2'").fetchone()[0] > 0
     jobs = {r[0] for r in con.execute("SELECT job FROM benchmarks").fetchall()}
     evaluations = {f"evaluate/tiny-qwen2/{t}/{c}" for t, spec in config["tasks"].items() for c in spec["context_tokens"]}
-    assert jobs == {"acquire_model/tiny-qwen2", "throughput/tiny-qwen2/256", "engine_vs_pipeline/tiny-qwen2"} | evaluations
+    assert jobs == {"acquire_model/tiny-qwen2", "throughput/tiny-qwen2/256", "engine_vs_pipeline/tiny-qwen2/512"} | evaluations
     prov = dict(con.execute("SELECT key, value FROM provenance").fetchall())
     assert prov["preset"] == "smoke" and len(prov["config_hash"]) == 16
     assert (smoke_run / "results" / "eval" / "tiny-qwen2" / "niah_single" / "512.parquet").is_file()

@@ -157,3 +157,24 @@ def test_question_first_modes_share_one_computation(tiny):
     agnostic = [r for r in rows if r["question_mode"] == "agnostic"]
     aware = [r for r in rows if r["question_mode"] == "aware"]
     assert [{**r, "question_mode": "x"} for r in agnostic] == [{**r, "question_mode": "x"} for r in aware]
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_gqa_attention_equals_transformers_sdpa(tiny, with_mask):
+    """Our SDPA (K/V heads shared inside the kernel) returns what transformers' sdpa (K/V repeated) does."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvlab.engine import attention_layers, sdpa_gqa
+
+    module = attention_layers(tiny[0])[0]  # 4 query heads over 2 KV heads
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(3, 4, 5, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g), torch.randn(3, 2, 9, 16, generator=g)
+    mask = None
+    if with_mask:
+        mask = torch.zeros(3, 1, 5, 9)
+        mask[0, :, :, 2:4] = torch.finfo(torch.float32).min
+    else:
+        k, v = k[:, :, :5], v[:, :, :5]
+    ours, _ = sdpa_gqa(module, q, k, v, mask, scaling=0.25)
+    theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)

@@ -11,7 +11,7 @@ engine_vs_pipeline(
     model_dir=snakemake.input.model_dir,  # noqa: F821
     task=bench["task"],
     task_spec=snakemake.params.task,  # noqa: F821
-    context_tokens=bench["context_tokens"],
+    context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
     samples=bench["samples"],
     run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
     out_path=snakemake.output.rows,  # noqa: F821

@@ -1,9 +1,10 @@
 """Two measurements that are not task scores.
 
-* ``engine_vs_pipeline``: the same grid (samples × variants, question-agnostic) evaluated by our engine
+* ``engine_vs_pipeline``: the same grid (samples × variants × question modes) evaluated by our engine
   (one prefill per sample, every variant compressed from it and decoded as one batch) and by kvpress's own
-  pipeline, one call per variant (each call prefills, compresses and decodes alone). Both decode greedily
-  from identical token ids, so their answers must agree; the row records wall times and the agreement.
+  pipeline, one call per variant and mode (each call prefills, compresses and decodes alone). In the
+  question-agnostic mode both decode greedily from identical token ids, so their answers must agree; in the
+  aware mode the pipeline tokenizes context and question as one string, so a boundary token may differ.
 * ``throughput``: per variant, decode speed at batch 1 from a prefilled prose context, and the KV bytes
   held after compression and at the end of decoding.
 """
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 
 def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: int, samples: int, run: dict, out_path) -> pd.DataFrame:
+    """Wall time of the configured grid (samples × variants × question modes) by the engine and by kvpress's
+    pipeline, answers only. The pipeline is called once per variant and mode: question-agnostic with the
+    question passed separately (compressed context, then the question), question-aware with the question
+    inside the compressed context. The engine is also timed on the agnostic mode alone."""
     from transformers import pipeline
 
     import kvpress  # noqa: F401  (registers the "kv-press-text-generation" pipeline)
@@ -36,43 +41,55 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     chosen = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)[:samples]
+    if len(chosen) < samples:
+        raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; benchmark.samples asks {samples}")
     if any(not s.prompt.text[1] for s in chosen):
         raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
     grid = variants(run["methods"], run["budgets"])
+    modes = run["question_modes"]
     max_new = task_spec.get("max_new_tokens", run["max_new_tokens"])
 
-    t0 = time.perf_counter()
-    ours = {}
-    for s in chosen:
-        for r in evaluate_sample(model, tokenizer, s, grid, ["agnostic"], max_new, kl=False):  # answers only, as the pipeline
-            ours[(s.sample_id, r["method"], r["budget"])] = r["prediction"]
-    engine_s = time.perf_counter() - t0
-    log.info("engine: %.1f s for %d samples × %d variants", engine_s, len(chosen), len(grid))
+    def engine(modes: list[str]) -> tuple[float, dict]:
+        t0 = time.perf_counter()
+        answers = {}
+        for s in chosen:
+            for r in evaluate_sample(model, tokenizer, s, grid, modes, max_new, kl=False):  # answers only, as the pipeline
+                answers[(r["question_mode"], s.sample_id, r["method"], r["budget"])] = r["prediction"]
+        return time.perf_counter() - t0, answers
+
+    engine_agnostic_s, _ = engine(["agnostic"])
+    engine_s, ours = engine(modes)
+    log.info("engine: %.1f s for %d samples × %d variants × %d modes", engine_s, len(chosen), len(grid), len(modes))
 
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
-    t0 = time.perf_counter()
-    theirs = {}
-    for s in chosen:
-        before, question = s.prompt.text
-        for v in grid:
-            answer = pipe(before, question=question, press=v.make_press(), max_new_tokens=max_new)["answer"]
-            theirs[(s.sample_id, v.method, v.budget)] = answer
-    pipeline_s = time.perf_counter() - t0
-    log.info("kvpress pipeline: %.1f s", pipeline_s)
-    agree = sum(ours[k].strip() == theirs[k].strip() for k in theirs) / len(theirs)
-    for k in theirs:
-        if ours[k].strip() != theirs[k].strip():
+    pipeline_s, theirs = {}, {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        for s in chosen:
+            before, question = s.prompt.text
+            for v in grid:
+                if mode == "agnostic":
+                    out = pipe(before, question=question, press=v.make_press(), max_new_tokens=max_new)
+                else:
+                    out = pipe(before + question, press=v.make_press(), max_new_tokens=max_new)
+                theirs[(mode, s.sample_id, v.method, v.budget)] = out["answer"]
+        pipeline_s[mode] = time.perf_counter() - t0
+        log.info("kvpress pipeline, question %s: %.1f s", mode, pipeline_s[mode])
+    same = {k: ours[k].strip() == theirs[k].strip() for k in theirs}
+    for k, ok in same.items():
+        if not ok:
             log.warning("answers differ for %s: engine %r, pipeline %r", k, ours[k], theirs[k])
-    frame = pd.DataFrame(
-        [
-            {
-                "model": card["name"], "task": task, "context_tokens": context_tokens, "samples": len(chosen),
-                "variants": len(grid), "max_new_tokens": max_new, "engine_s": engine_s, "pipeline_s": pipeline_s,
-                "speedup": pipeline_s / engine_s, "agreement": agree, "dtype": run["dtype"],
-                "device": device_name(run["device"]),
-            }
-        ]
-    )
+    row = {
+        "model": card["name"], "task": task, "context_tokens": context_tokens, "samples": len(chosen),
+        "variants": len(grid), "question_modes": ",".join(modes), "max_new_tokens": max_new,
+        "engine_s": engine_s, "pipeline_s": sum(pipeline_s.values()), "speedup": sum(pipeline_s.values()) / engine_s,
+        "engine_agnostic_s": engine_agnostic_s, "pipeline_agnostic_s": pipeline_s.get("agnostic", float("nan")),
+        "speedup_agnostic": pipeline_s.get("agnostic", float("nan")) / engine_agnostic_s,
+    }
+    for mode in modes:
+        keys = [k for k in same if k[0] == mode]
+        row[f"agreement_{mode}"] = sum(same[k] for k in keys) / len(keys)
+    frame = pd.DataFrame([{**row, "dtype": run["dtype"], "device": device_name(run["device"])}])
     write_rows(frame, out_path)
     return frame
 

@@ -22,12 +22,34 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
-from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
+
+
+ATTENTION = "kvlab_sdpa_gqa"
+
+
+def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' SDPA attention, but grouped-query heads share their K/V inside the kernel even when a
+    mask is given. transformers' own `sdpa` copies every cached K/V head to each query head it serves
+    whenever there is a mask (a full copy of the cache per layer and step: 7x for Qwen2.5-0.5B), which is
+    what our batched decoding always passes. Same result (tested), several times faster on the CPU."""
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, sdpa_gqa)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
 def attention_layers(model) -> list[torch.nn.Module]:
@@ -91,7 +113,7 @@ class Prefilled:
 def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
     """Run `ids` through the model (continuing `past` if given) with the full cache, capturing inputs."""
     device = model.device
-    cache = copy.deepcopy(past.cache) if past else DynamicCache(config=model.config)
+    cache = shallow_copy(past.cache) if past else DynamicCache(config=model.config)
     start = past.length if past else 0
     store: list[LayerCapture] = []
     x = torch.tensor([ids], device=device)
@@ -105,8 +127,8 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
 
 @torch.no_grad()
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
-    """A compressed copy of `base.cache` for `variant` (the copy itself for full)."""
-    cache = copy.deepcopy(base.cache)
+    """A compressed copy of `base.cache` for `variant` (for full, a copy sharing the base's tensors)."""
+    cache = shallow_copy(base.cache)
     press = variant.make_press()
     if press is None:
         return cache
@@ -127,6 +149,14 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     return cache
 
 
+def shallow_copy(cache: DynamicCache) -> DynamicCache:
+    """A cache whose layers can be reassigned without touching `cache`; the tensors are shared, which is
+    safe because neither presses nor DynamicCache updates write into existing tensors (both build new ones)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
 def cache_stats(cache: DynamicCache) -> dict:
     """Bytes and tokens actually held by the cache's stored tensors (not the requested ratio)."""
     nbytes = 0
@@ -144,7 +174,7 @@ class Batch:
 
     def __init__(self, model, caches: list[DynamicCache]):
         self.model = model
-        self.cache = copy.deepcopy(caches[0])
+        self.cache = shallow_copy(caches[0])
         self.lengths: list[torch.Tensor] = []
         self.padded: list[int] = []
         for idx, layer in enumerate(self.cache.layers):
@@ -160,6 +190,14 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.lengths[0])
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every other row (finished sequences stop costing compute)."""
+        index = torch.tensor(rows, device=self.lengths[0].device)
+        for idx, layer in enumerate(self.cache.layers):
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+            self.lengths[idx] = self.lengths[idx].index_select(0, index)
 
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
@@ -245,17 +283,21 @@ def greedy_decode(
     x = torch.tensor([tail] * batch.size, device=model.device)
     pos = start
     out: list[list[int]] = [[] for _ in range(batch.size)]
-    done = [False] * batch.size
+    live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max_new_tokens):
         nxt = batch.forward(x, pos)[:, -1].argmax(-1)
         pos += x.shape[1]
+        going = []
         for row, token in enumerate(nxt.tolist()):
-            if not done[row]:
-                out[row].append(token)
-                done[row] = token in eos
-        if all(done):
+            out[live[row]].append(token)
+            if token not in eos:
+                going.append(row)
+        if not going:
             break
-        x = nxt[:, None]
+        if len(going) < len(live):
+            batch.keep(going)
+            live = [live[r] for r in going]
+        x = nxt[going, None]
     return out
 
 

@@ -29,8 +29,11 @@ def load_model(model_dir: str | Path, dtype: str, device: str):
     hf_logging.disable_progress_bar()  # per-tensor loading bars would bury the job's own progress
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("config device is 'cuda' but torch sees no CUDA device; set device: cpu")
+    from kvlab.engine import ATTENTION
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+    model = model.to(device).eval()
     return model, tokenizer
 
 

@@ -160,10 +160,13 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         ),
         section(
             "Engine vs kvpress pipeline",
-            "<p>The same samples and variants, question-agnostic. kvlab's engine prefills each sample once, "
-            "compresses a copy of the cache per variant and decodes all variants as one batch; kvpress's pipeline "
-            "prefills, compresses and decodes once per variant. Both produce answers only here (the engine's "
-            "teacher-forced KL pass is off for this comparison). Agreement is the fraction of identical answers.</p>"
+            "<p>The same samples, variants and question modes. kvlab's engine prefills each sample once "
+            "(the question-aware prefill continues the agnostic one), compresses a copy of the cache per variant "
+            "and decodes all variants as one batch; kvpress's pipeline prefills, compresses and decodes once per "
+            "variant and mode (aware: the question inside the compressed context). Both produce answers only "
+            "here (the engine's teacher-forced KL pass is off). The agnostic-only columns compare that mode "
+            "alone. Agreement is the fraction of identical answers; in the aware mode the pipeline tokenizes "
+            "context and question as one string, so a token at their boundary may differ.</p>"
             + table(q["engine_vs_pipeline"]),
             queries["engine_vs_pipeline"],
         ),

@@ -59,10 +59,9 @@ SELECT model, context_tokens, method, budget, new_tokens, tokens_per_s, decode_s
 FROM throughput ORDER BY model, context_tokens, method, budget DESC;
 
 -- name: engine_vs_pipeline
--- Wall time of the same grid (samples × variants, question-agnostic): kvlab's engine vs kvpress's pipeline
--- called once per variant; agreement = fraction of identical answers.
-SELECT model, task, context_tokens, samples, variants, max_new_tokens, engine_s, pipeline_s, speedup, agreement, device
-FROM engine_vs_pipeline ORDER BY model;
+-- Wall time of the same grid (samples × variants × question modes): kvlab's engine vs kvpress's pipeline
+-- called once per variant and mode; agreement = fraction of identical answers.
+SELECT * EXCLUDE (dtype) FROM engine_vs_pipeline ORDER BY model, context_tokens;
 
 -- name: cost_article
 -- The article's §8 cost table, recomputed by kvlab.kernels.accounting.
