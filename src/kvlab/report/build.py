@@ -78,6 +78,8 @@ def section(title: str, body: str, sql: str | None = None) -> str:
 
 
 def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> str:
+    """The grid in one sentence, then one line per (model, task, context, question mode): for each method
+    the smallest measured budget that stays within TOLERANCE_POINTS of the full cache."""
     names = ", ".join(models["name"])
     grid = (
         f"tasks {', '.join(sorted(acc['task'].unique()))}; context {', '.join(map(str, sorted(acc['context_tokens'].unique())))} "
@@ -86,21 +88,22 @@ def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> st
         f"question modes "
         f"{', '.join(sorted(acc['question_mode'].unique()))}"
     )
-    items = []
-    for (model, task, ctx, mode, method), g in versus.groupby(["model", "task", "context_tokens", "question_mode", "method"]):
-        safe = g[g["delta_points"] >= -TOLERANCE_POINTS]
-        verdict = (
-            f"safe down to {safe['budget'].min():g} of the KV cache" if len(safe) else "not safe at any measured budget"
-        )
-        detail = ", ".join(f"{b:g} → {a:.0%}" for b, a in zip(g["budget"], g["accuracy"]))
-        items.append(
-            f"<li><b>{esc(method)}</b> on {esc(model)} / {esc(task)} @ {ctx} tokens, question {esc(mode)}: "
-            f"{esc(verdict)} (full cache {g['full_accuracy'].iloc[0]:.0%}; {esc(detail)})</li>"
-        )
+    rows = []
+    for (model, task, ctx, mode), g in versus.groupby(["model", "task", "context_tokens", "question_mode"], sort=True):
+        full = g["full_accuracy"].iloc[0]
+        row = {"model": model, "task": task, "context": ctx, "question": mode, "full cache": f"{full:.0%}"}
+        for method, m in g.groupby("method"):
+            safe = m[m["delta_points"] >= -TOLERANCE_POINTS]
+            if full == 0:
+                row[method] = "— (full cache fails)"
+            else:
+                row[method] = f"{safe['budget'].min():g}" if len(safe) else "not safe"
+        rows.append(row)
     return (
         f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
-        f"<p>Safe means within {TOLERANCE_POINTS:g} accuracy point of the full cache on the same samples.</p>"
-        f"<ul>{''.join(items)}</ul>"
+        f"<p>Each method's column gives the smallest fraction of the KV cache it kept while staying within "
+        f"{TOLERANCE_POINTS:g} accuracy point of the full cache on the same samples ('not safe': no measured "
+        f"budget did). Per-budget accuracies are in the next section.</p>" + table(pd.DataFrame(rows))
     )
 
 
