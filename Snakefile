@@ -11,6 +11,7 @@ configfile: "config.yaml"
 
 include: "rules/common.smk"
 include: "rules/models.smk"
+include: "rules/calibrate.smk"
 include: "rules/evaluate.smk"
 include: "rules/speed.smk"
 include: "rules/accounting.smk"

@@ -2,6 +2,7 @@ rule collect:
     input:
         rows=eval_rows(),
         speed=speed_rows(),
+        calibration=calibration_tables(),
         model_dirs=model_dirs(),
         costs="results/accounting/costs.parquet",
         benchmarks=[
@@ -9,7 +10,7 @@ rule collect:
             for p in eval_rows()
         ]
         + [p.replace("results/speed/", "results/benchmarks/").replace(".parquet", ".tsv") for p in speed_rows()]
-        + [f"results/benchmarks/acquire_model/{m}.tsv" for m in MODELS],
+        + [f"results/benchmarks/{rule}/{m}.tsv" for rule in ("acquire_model", "calibrate") for m in MODELS],
     output:
         db="results/kvlab.duckdb",
     params:

@@ -3,7 +3,7 @@ import re
 
 from snakemake.exceptions import WorkflowError
 
-from kvlab.config import ConfigError, resolve
+from kvlab.config import CALIBRATION_TABLES, ConfigError, resolve
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -11,6 +11,7 @@ except ConfigError as error:
     raise WorkflowError(f"kvlab {error}") from None
 
 MODELS = list(config["models"])
+EVALUATED = [m for m, spec in config["models"].items() if spec["evaluate"]]  # the rest: acquired and calibrated
 TASKS = list(config["tasks"])
 
 
@@ -24,7 +25,7 @@ def eval_rows():
     """One Parquet file per (model, task, context length)."""
     return [
         f"results/eval/{model}/{task}/{ctx}.parquet"
-        for model in MODELS
+        for model in EVALUATED
         for task, spec in config["tasks"].items()
         for ctx in spec["context_tokens"]
     ]
@@ -35,9 +36,14 @@ def speed_rows():
     return [
         f"results/speed/{kind}/{model}/{ctx}.parquet"
         for kind, lengths in (("throughput", config["throughput"]["context_tokens"]), ("engine_vs_pipeline", config["benchmark"]["context_tokens"]))
-        for model in MODELS
+        for model in EVALUATED
         for ctx in lengths
     ]
+
+
+def calibration_tables():
+    """Every calibration table of every model."""
+    return [f"results/calibration/{model}/{table}.parquet" for model in MODELS for table in CALIBRATION_TABLES]
 
 
 def run_params():

@@ -2,7 +2,7 @@ rule acquire_model:
     output:
         model_dir=directory("resources/models/{model}"),
     params:
-        spec=lambda w: config["models"][w.model],
+        spec=lambda w: {k: v for k, v in config["models"][w.model].items() if k != "evaluate"},  # what is acquired
     log:
         "logs/acquire_model/{model}.log",
     benchmark:

@@ -8,6 +8,7 @@ build(
     db_path=snakemake.output.db,  # noqa: F821
     eval_files=snakemake.input.rows,  # noqa: F821
     speed_files=snakemake.input.speed,  # noqa: F821
+    calibration_files=snakemake.input.calibration,  # noqa: F821
     model_dirs=snakemake.input.model_dirs,  # noqa: F821
     cost_file=snakemake.input.costs,  # noqa: F821
     benchmark_files=snakemake.input.benchmarks,  # noqa: F821

@@ -11,6 +11,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
+from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path
 from kvlab.models.card import read_card
 
@@ -59,13 +60,14 @@ def build(
     db_path: str | Path,
     eval_files: list,
     speed_files: list,
+    calibration_files: list,
     model_dirs: list,
     cost_file: str | Path,
     benchmark_files: list,
     config: dict,
 ) -> None:
-    """Write every table the report reads: eval, throughput, engine_vs_pipeline, models, costs, benchmarks,
-    provenance."""
+    """Write every table the report reads: eval, throughput, engine_vs_pipeline, calib_* (one per
+    calibration table, all models), models, costs, benchmarks, provenance."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
         [{**{k: v for k, v in c.items() if k not in ("layer_types", "rope", "source")},
@@ -76,6 +78,10 @@ def build(
         "eval": _concat(eval_files),
         "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
         "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
+        **{
+            f"calib_{name}": _concat([f for f in calibration_files if Path(f).stem == name])
+            for name in CALIBRATION_TABLES
+        },
         "models": models,
         "costs": pd.read_parquet(cost_file),
         "benchmarks": read_benchmarks(benchmark_files),

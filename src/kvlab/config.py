@@ -109,6 +109,8 @@ def _check_semantics(config: dict, where: str) -> None:
                 )
     if "full" not in {m["kind"] for m in config["methods"].values()}:
         raise ConfigError(f"{where}: key 'methods': needs one method of kind 'full' (the uncompressed reference)")
+    if not any(m["evaluate"] for m in config["models"].values()):
+        raise ConfigError(f"{where}: key 'models': no model has evaluate: true; at least one must be evaluated")
     bench = config["benchmark"]["task"]
     if bench not in config["tasks"] or config["tasks"][bench]["kind"] != "niah" or config["tasks"][bench]["question_position"] != "after":
         niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]
@@ -128,6 +130,11 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
                         f"max_position_embeddings {limit}"
                     )
+
+
+CALIBRATION_TABLES = (
+    "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_grids", "layer_budget", "stream_sinks"
+)  # what the calibrate rule writes per model (see kvlab.calibrate)
 
 
 def kvpress_press_names() -> set[str]:

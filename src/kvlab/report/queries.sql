@@ -92,3 +92,57 @@ SELECT job, s AS wall_s, max_rss AS max_rss_mb FROM benchmarks ORDER BY job;
 
 -- name: provenance
 SELECT key, value FROM provenance ORDER BY key;
+
+-- name: calib_c1
+-- C1: per (layer, KV head) outlier score = largest channel absmax / median channel absmax; median over heads.
+WITH heads AS (
+    SELECT model, tensor, layer, kv_head, max(absmax) / median(absmax) AS score
+    FROM calib_key_channels GROUP BY ALL
+)
+SELECT model,
+       median(score) FILTER (WHERE tensor = 'key_pre_rope') AS key_pre_rope,
+       median(score) FILTER (WHERE tensor = 'key_post_rope') AS key_post_rope,
+       median(score) FILTER (WHERE tensor = 'value') AS value,
+       max(score) FILTER (WHERE tensor = 'key_pre_rope') AS key_pre_rope_max,
+       max(score) FILTER (WHERE tensor = 'value') AS value_max
+FROM heads GROUP BY model ORDER BY model;
+
+-- name: calib_c2
+-- C2: the residual stream's largest magnitude on token 0 vs every other position, and the attention mass on
+-- token 0 (mean over heads and query positions), by layer; summarized per model.
+WITH layers AS (
+    SELECT m.model, m.layer,
+           max(m.max_abs) FILTER (WHERE m.position_class = 'first') AS first_max,
+           max(m.max_abs) FILTER (WHERE m.position_class <> 'first') AS rest_max,
+           any_value(c.token0_mass) AS token0_mass
+    FROM calib_massive m JOIN calib_concentration c USING (model, layer)
+    GROUP BY ALL
+)
+SELECT model, max(first_max / rest_max) AS massive_ratio, arg_max(layer, first_max / rest_max) AS massive_layer,
+       max(first_max) AS token0_max_abs, max(token0_mass) AS token0_mass_max,
+       arg_max(layer, token0_mass) AS token0_mass_layer, avg(token0_mass) AS token0_mass_mean
+FROM layers GROUP BY model ORDER BY model;
+
+-- name: calib_channels
+SELECT model, tensor, layer, kv_head * (max(channel) OVER (PARTITION BY model) + 1) + channel AS channel, absmax
+FROM calib_key_channels;
+
+-- name: calib_massive
+SELECT model, layer, position_class, max_abs, position, token, channel FROM calib_massive ORDER BY model, layer;
+
+-- name: calib_sinks
+-- Attention mass on token 0 per (layer, query head), mean over calibration sequences.
+SELECT model, layer, head, avg(mass) AS token0_mass FROM calib_sinks WHERE position = 0 GROUP BY ALL;
+
+-- name: calib_concentration
+SELECT model, layer, sliding, entropy, keys90_fraction, token0_mass FROM calib_concentration ORDER BY model, layer;
+
+-- name: calib_fed_forward
+-- What calibration hands to later stages, per model.
+SELECT s.model, s.n_sink AS streaming_sinks, s.token0_mass_mean,
+       (SELECT min(scale) FROM calib_fp8_scales f WHERE f.model = s.model) AS fp8_scale_min,
+       (SELECT max(scale) FROM calib_fp8_scales f WHERE f.model = s.model) AS fp8_scale_max,
+       (SELECT count(DISTINCT layer) FROM calib_kvquant_grids g WHERE g.model = s.model) AS kvquant_grid_layers,
+       (SELECT min(budget_weight) FROM calib_layer_budget b WHERE b.model = s.model) AS layer_budget_min,
+       (SELECT max(budget_weight) FROM calib_layer_budget b WHERE b.model = s.model) AS layer_budget_max
+FROM calib_stream_sinks s ORDER BY s.model;
