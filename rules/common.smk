@@ -4,6 +4,7 @@ import re
 from snakemake.exceptions import WorkflowError
 
 from kvlab.config import CALIBRATION_TABLES, ConfigError, resolve
+from kvlab.methods import uses_calibration
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -44,6 +45,13 @@ def speed_rows():
 def calibration_tables():
     """Every calibration table of every model."""
     return [f"results/calibration/{model}/{table}.parquet" for model in MODELS for table in CALIBRATION_TABLES]
+
+
+def calibration_inputs(wildcards):
+    """The model's calibration, for jobs whose methods take a value from it (e.g. `n_sink: calibrated`)."""
+    if uses_calibration(config["methods"]):
+        return [f"results/calibration/{wildcards.model}/{table}.parquet" for table in CALIBRATION_TABLES]
+    return []
 
 
 def run_params():

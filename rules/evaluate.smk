@@ -1,6 +1,7 @@
 rule evaluate:
     input:
         model_dir="resources/models/{model}",
+        calibration=calibration_inputs,
     output:
         rows="results/eval/{model}/{task}/{ctx}.parquet",
     params:

@@ -5,6 +5,7 @@
 rule throughput:
     input:
         model_dir="resources/models/{model}",
+        calibration=calibration_inputs,
     output:
         rows="results/speed/throughput/{model}/{ctx}.parquet",
     params:
@@ -27,6 +28,7 @@ rule throughput:
 rule engine_vs_pipeline:
     input:
         model_dir="resources/models/{model}",
+        calibration=calibration_inputs,
     output:
         rows="results/speed/engine_vs_pipeline/{model}/{ctx}.parquet",
     params:

@@ -128,3 +128,14 @@ def test_deterministic_for_a_seed(tiny, seqs, tables):
 def test_bad_input_is_a_clear_error(tiny):
     with pytest.raises(ValueError, match="must share one length"):
         calibrate(tiny[0], tiny[1], [[1] * 20, [1] * 21], 4, 0.05)
+
+
+def test_calibrated_kwargs_take_the_measured_value(tmp_path):
+    from kvlab.methods import uses_calibration, with_calibration
+
+    methods = {"full": {"kind": "full"}, "stream": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": "calibrated"}}}
+    assert uses_calibration(methods) and not uses_calibration({"full": {"kind": "full"}})
+    pd.DataFrame([{"model": "m", "n_sink": 3}]).to_parquet(tmp_path / "stream_sinks.parquet")
+    resolved = with_calibration(methods, tmp_path)
+    assert resolved["stream"]["kwargs"] == {"n_sink": 3} and resolved["full"] == {"kind": "full"}
+    assert methods["stream"]["kwargs"]["n_sink"] == "calibrated"  # the config is left as it was

@@ -34,6 +34,13 @@ def test_default_config_is_valid_and_defaults_filled(config):
     assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32}
 
 
+def test_at_least_one_model_is_evaluated(config):
+    for spec in config["models"].values():
+        spec["evaluate"] = False
+    with pytest.raises(ConfigError, match="no model has evaluate: true"):
+        resolve(config, SCHEMA)
+
+
 def test_every_preset_covers_every_task_kind(config):
     """smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
     schema = yaml.safe_load(SCHEMA.read_text())
@@ -48,7 +55,9 @@ def test_preset_replaces_top_level_keys(config):
     out = resolve(config, SCHEMA)
     assert list(out["models"]) == ["tiny-qwen2"]
     assert out["models"]["tiny-qwen2"]["seed"] == 0  # default filled inside the preset too
-    assert out["methods"] == resolve({**config, "preset": "default"}, SCHEMA)["methods"]
+    assert out["budgets"] == [0.5, 0.25]  # set by the preset
+    assert out["question_modes"] == resolve({**config, "preset": "default"}, SCHEMA)["question_modes"]  # not set by it
+    assert out["methods"]["streaming_llm"]["kwargs"] == {"n_sink": "calibrated"}
 
 
 def edit(config, path, value):
@@ -90,6 +99,9 @@ BAD = [
     (("tasks", "common_words", "uncommon_freq"), 10, "preset 'default': key 'tasks.common_words.uncommon_freq': must be below common_freq 10"),
     (("tasks", "prose_kl", "continuation_tokens"), 1, "config: key 'tasks.prose_kl.continuation_tokens': 1 must be >= 2"),
     (("benchmark", "task"), "recency", "preset 'default': key 'benchmark.task': 'recency' must name a niah task asking after the document; candidates: niah_single"),
+    (("methods", "snapkv", "kwargs", "window_size"), "calibrated", "key 'methods.snapkv.kwargs.window_size': 'calibrated' is only available for n_sink"),
+    (("models", "qwen2.5-0.5b", "evaluate"), "yes", "config: key 'models.qwen2.5-0.5b.evaluate': expected boolean, got str 'yes'"),
+    (("calibration", "sink_threshold"), 1.5, "config: key 'calibration.sink_threshold': 1.5 must be < 1"),
     (("throughput", "new_tokens"), 0, "config: key 'throughput.new_tokens': 0 must be >= 1"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
     (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke, full"),

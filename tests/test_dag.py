@@ -9,7 +9,7 @@ import duckdb
 import yaml
 
 from conftest import snakemake
-from kvlab.config import resolve
+from kvlab.config import CALIBRATION_TABLES, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,10 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     assert con.execute("SELECT count(*) FROM costs WHERE model = 'tiny-qwen2'").fetchone()[0] > 0
     jobs = {r[0] for r in con.execute("SELECT job FROM benchmarks").fetchall()}
     evaluations = {f"evaluate/tiny-qwen2/{t}/{c}" for t, spec in config["tasks"].items() for c in spec["context_tokens"]}
-    assert jobs == {"acquire_model/tiny-qwen2", "throughput/tiny-qwen2/256", "engine_vs_pipeline/tiny-qwen2/512"} | evaluations
+    assert jobs == {"acquire_model/tiny-qwen2", "calibrate/tiny-qwen2", "throughput/tiny-qwen2/256",
+                    "engine_vs_pipeline/tiny-qwen2/512"} | evaluations
+    for table in CALIBRATION_TABLES:
+        assert con.execute(f"SELECT count(*), min(model) FROM calib_{table}").fetchone()[1] == "tiny-qwen2", table
     prov = dict(con.execute("SELECT key, value FROM provenance").fetchall())
     assert prov["preset"] == "smoke" and len(prov["config_hash"]) == 16
     assert (smoke_run / "results" / "eval" / "tiny-qwen2" / "niah_single" / "512.parquet").is_file()
@@ -75,7 +78,7 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
     proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules")
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
-    for rule in ("acquire_model", "evaluate", "throughput", "engine_vs_pipeline", "cost_table", "collect", "report"):
+    for rule in ("acquire_model", "calibrate", "evaluate", "throughput", "engine_vs_pipeline", "cost_table", "collect", "report"):
         assert rule in out
 
 

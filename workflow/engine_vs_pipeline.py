@@ -1,6 +1,6 @@
 """Rule engine_vs_pipeline: the same grid by kvlab's engine and by kvpress's pipeline (wall time, agreement)."""
 
-from kvlab.io import log_to
+from kvlab.io import log_to, run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
@@ -13,6 +13,6 @@ engine_vs_pipeline(
     task_spec=snakemake.params.task,  # noqa: F821
     context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
     samples=bench["samples"],
-    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    run=run_settings(snakemake),  # noqa: F821
     out_path=snakemake.output.rows,  # noqa: F821
 )

@@ -1,6 +1,6 @@
 """Rule evaluate: one model × task × context length → results/eval/{model}/{task}/{ctx}.parquet."""
 
-from kvlab.io import log_to
+from kvlab.io import log_to, run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
@@ -11,6 +11,6 @@ run_job(
     task=snakemake.wildcards.task,  # noqa: F821
     task_spec=snakemake.params.task,  # noqa: F821
     context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
-    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    run=run_settings(snakemake),  # noqa: F821
     out_path=snakemake.output.rows,  # noqa: F821
 )

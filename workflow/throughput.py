@@ -1,6 +1,6 @@
 """Rule throughput: decode tokens/s at batch 1 per method → results/speed/throughput/{model}/{ctx}.parquet."""
 
-from kvlab.io import log_to
+from kvlab.io import log_to, run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
@@ -10,6 +10,6 @@ throughput(
     model_dir=snakemake.input.model_dir,  # noqa: F821
     context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
     new_tokens=snakemake.params.new_tokens,  # noqa: F821
-    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    run=run_settings(snakemake),  # noqa: F821
     out_path=snakemake.output.rows,  # noqa: F821
 )

@@ -103,6 +103,12 @@ def _check_semantics(config: dict, where: str) -> None:
                 close = [p for p in presses if p.lower().startswith(press.lower()[:4])]
                 hint = f"; did you mean {', '.join(close)}?" if close else f"; kvpress has: {', '.join(sorted(presses))}"
                 raise ConfigError(f"{where}: key 'methods.{name}.press': kvpress has no press '{press}'{hint}")
+            for key, value in method.get("kwargs", {}).items():
+                if value == "calibrated" and key != "n_sink":
+                    raise ConfigError(
+                        f"{where}: key 'methods.{name}.kwargs.{key}': 'calibrated' is only available for n_sink "
+                        "(StreamingLLM's sink count from calibration)"
+                    )
             if "compression_ratio" in method.get("kwargs", {}):
                 raise ConfigError(
                     f"{where}: key 'methods.{name}.kwargs.compression_ratio': set by `budgets`, remove it here"

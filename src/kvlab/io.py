@@ -42,3 +42,15 @@ def log_to(path: str | Path | None) -> None:
         logging.getLogger("kvlab").error("failed", exc_info=(kind, value, tb))
 
     sys.excepthook = excepthook
+
+
+def run_settings(smk) -> dict:
+    """A measuring job's `run` dict: the rule's params, its threads, and methods with calibrated values
+    filled in from the job's calibration input (when it has one)."""
+    from kvlab.methods import with_calibration
+
+    run = dict(smk.params.run, threads=smk.threads)
+    calibration = list(smk.input.get("calibration", []))
+    if calibration:
+        run["methods"] = with_calibration(run["methods"], Path(calibration[0]).parent)
+    return run

@@ -33,6 +33,31 @@ class Variant:
         return cls(compression_ratio=1.0 - self.budget, **self.params.get("kwargs", {}))
 
 
+CALIBRATED = "calibrated"  # a kwarg value taken from the model's calibration instead of the config
+CALIBRATED_KWARGS = {"n_sink": ("stream_sinks", "n_sink")}  # kwarg -> (calibration table, column)
+
+
+def uses_calibration(methods: dict) -> bool:
+    return any(v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values())
+
+
+def with_calibration(methods: dict, calibration_dir) -> dict:
+    """`methods` with every `calibrated` kwarg replaced by the model's measured value, e.g. StreamingLLM's
+    `n_sink` by the leading sink positions calibration found."""
+    import pandas as pd
+    from pathlib import Path
+
+    out = {}
+    for name, spec in methods.items():
+        kwargs = dict(spec.get("kwargs", {}))
+        for key, value in kwargs.items():
+            if value == CALIBRATED:
+                table, column = CALIBRATED_KWARGS[key]
+                kwargs[key] = int(pd.read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
+        out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else spec
+    return out
+
+
 def variants(methods: dict, budgets: list[float]) -> list[Variant]:
     """Expand config `methods` × `budgets` (full runs once, at budget 1.0)."""
     out = []
