@@ -19,6 +19,8 @@ import vl_convert
 
 from kvlab.io import atomic_path
 
+alt.data_transformers.disable_max_rows()  # charts are rendered here to static SVG, not shipped as data to a browser
+
 TOLERANCE_POINTS = 1.0  # "safe" = within this many accuracy points of the full cache
 
 

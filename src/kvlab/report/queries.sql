@@ -124,7 +124,9 @@ SELECT model, max(first_max / rest_max) AS massive_ratio, arg_max(layer, first_m
 FROM layers GROUP BY model ORDER BY model;
 
 -- name: calib_channels
-SELECT model, tensor, layer, kv_head * (max(channel) OVER (PARTITION BY model) + 1) + channel AS channel, absmax
+-- Channel absmax for the heatmaps (floored at 1e-3 so the log colour scale is defined for dead channels).
+SELECT model, tensor, layer, kv_head * (max(channel) OVER (PARTITION BY model) + 1) + channel AS channel,
+       round(greatest(absmax, 1e-3), 3) AS absmax
 FROM calib_key_channels;
 
 -- name: calib_massive
