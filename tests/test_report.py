@@ -27,12 +27,16 @@ def test_no_network_references(page):
 def test_sections_and_queries_present(page):
     for title in ("Summary", "Accuracy vs KV budget", "Divergence from the full cache", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
-                  "Measured cache bytes vs the formula", "Task suite", "Provenance"):
+                  "Measured cache bytes vs the formula", "Task suite", "Provenance",
+                  "Calibration: what the cache and attention look like"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
                                    "tasks", "cost_article", "provenance", "timings"}
     assert "multi_turn · turn 2" in page  # the second turn is reported as its own task line
+    for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
+        assert f"<h3>{sub}</h3>" in page
+    assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):

@@ -212,6 +212,9 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             "<p>Each model read prose the tasks never use (the last tenth of the King James Bible); one forward "
             "pass per sequence, attention weights computed for a subset of query positions.</p>"
             + calibration_verdicts(q["calib_c1"], q["calib_c2"]) + calibration_charts(q)
+            + "<h3>Secondary sinks</h3><p class='note'>Positions other than token 0 that take at least the sink "
+            "threshold of a layer's attention in some sequence (no rows: none found).</p>"
+            + table(q["calib_secondary_sinks"])
             + "<h3>Handed to later stages</h3>" + table(q["calib_fed_forward"]),
             queries["calib_c1"] + "\n\n" + queries["calib_c2"],
         ),

@@ -148,3 +148,13 @@ SELECT s.model, s.n_sink AS streaming_sinks, s.token0_mass_mean,
        (SELECT min(budget_weight) FROM calib_layer_budget b WHERE b.model = s.model) AS layer_budget_min,
        (SELECT max(budget_weight) FROM calib_layer_budget b WHERE b.model = s.model) AS layer_budget_max
 FROM calib_stream_sinks s ORDER BY s.model;
+
+-- name: calib_secondary_sinks
+-- Positions other than token 0 that take at least the sink threshold of a layer's attention (per sequence),
+-- by model and layer: how many, how much mass, and what share of them are delimiters ('.', ',', newline …).
+SELECT s.model, s.layer, any_value(c.sliding) AS sliding, count(DISTINCT (s.sequence, s.position)) AS sink_positions,
+       avg(s.mass) AS mean_mass, max(s.mass) AS max_head_mass, avg(s.is_delimiter::INT) AS delimiter_share,
+       string_agg(DISTINCT s.token, ' ') AS tokens
+FROM calib_sinks s JOIN calib_concentration c USING (model, layer)
+WHERE s.is_sink AND s.position > 0
+GROUP BY s.model, s.layer ORDER BY s.model, s.layer;
