@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 
 import pandas as pd
 import torch
 
 from kvlab.engine import compress, cache_stats, evaluate_sample, greedy_decode, prefill
 from kvlab.evaluate import device_name, load_model
-from kvlab.io import atomic_path
+from kvlab.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card
 from kvlab.tasks import GENERATORS
@@ -90,7 +89,7 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
         keys = [k for k in same if k[0] == mode]
         row[f"agreement_{mode}"] = sum(same[k] for k in keys) / len(keys)
     frame = pd.DataFrame([{**row, "dtype": run["dtype"], "device": device_name(run["device"])}])
-    write_rows(frame, out_path)
+    write_parquet(frame, out_path)
     return frame
 
 
@@ -109,8 +108,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
     for v in variants(run["methods"], run["budgets"]):
         cache = compress(model, base, v)
         held = cache_stats(cache)
-        greedy_decode(model, [cache], sample.prompt.suffix, base.length, 2, stop=False)  # warm-up
-        cache = compress(model, base, v)
+        greedy_decode(model, [cache], sample.prompt.suffix, base.length, 2, stop=False)  # warm-up (cache left as is)
         t0 = time.perf_counter()
         (ids,) = greedy_decode(model, [cache], sample.prompt.suffix, base.length, new_tokens, stop=False)
         seconds = time.perf_counter() - t0
@@ -124,10 +122,5 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
         )
         log.info("%s: %.2f tokens/s, %d KV bytes", v.label, rows[-1]["tokens_per_s"], held["kv_bytes"])
     frame = pd.DataFrame(rows)
-    write_rows(frame, out_path)
+    write_parquet(frame, out_path)
     return frame
-
-
-def write_rows(frame: pd.DataFrame, out_path: str | Path) -> None:
-    with atomic_path(out_path) as tmp:
-        frame.to_parquet(tmp, index=False)

@@ -31,9 +31,9 @@ import pandas as pd
 import torch
 
 from kvlab.config import CALIBRATION_TABLES
-from kvlab.corpus import kjv_sentences
-from kvlab.engine import attention_layers, capture, is_sliding
-from kvlab.io import atomic_path
+from kvlab.corpus import kjv_sentences, prose_ids
+from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding
+from kvlab.io import write_parquet
 from kvlab.models.card import read_card
 
 log = logging.getLogger(__name__)
@@ -48,16 +48,7 @@ def calibration_sequences(tokenizer, sequences: int, tokens: int, seed: int) -> 
     pool = kjv_sentences("calibration")
     rng = random.Random(f"calibration:{seed}")
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
-    out = []
-    for _ in range(sequences):
-        j, text = rng.randrange(len(pool)), ""
-        while True:
-            text += pool[j % len(pool)] + " "
-            j += 1
-            if len(text) > 3 * tokens and len(ids := bos + tokenizer.encode(text, add_special_tokens=False)) >= tokens:
-                break
-        out.append(ids[:tokens])
-    return out
+    return [prose_ids(tokenizer, pool, rng.randrange(len(pool)), tokens, bos)[:tokens] for _ in range(sequences)]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -158,7 +149,7 @@ def calibrate(model, tokenizer, sequences: list[list[int]], query_positions: int
     queries_at = torch.linspace(T // 8, T - 1, min(query_positions, T - T // 8)).round().long().unique()
     keys_pre, keys_post, values, residual = ([[] for _ in range(n)] for _ in range(4))
     sinks, conc = [], np.zeros((n, 3))
-    blocks = (model.model.language_model if hasattr(model.model, "language_model") else model.model).layers
+    blocks = decoder_layers(model)
     for s, seq in enumerate(sequences):
         store, inputs = [], []
         handles = [
@@ -279,6 +270,5 @@ def run_job(model_dir, spec: dict, run: dict, out_dir) -> dict[str, pd.DataFrame
     assert tuple(tables) == CALIBRATION_TABLES, f"calibrate() returned {tuple(tables)}"
     for name, frame in tables.items():
         frame.insert(0, "model", card["name"])
-        with atomic_path(Path(out_dir) / f"{name}.parquet") as tmp:
-            frame.to_parquet(tmp, index=False)
+        write_parquet(frame, Path(out_dir) / f"{name}.parquet")
     return tables

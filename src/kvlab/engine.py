@@ -52,9 +52,13 @@ AttentionInterface.register(ATTENTION, sdpa_gqa)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
-def attention_layers(model) -> list[torch.nn.Module]:
+def decoder_layers(model) -> torch.nn.ModuleList:
     inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return [layer.self_attn for layer in inner.layers]
+    return inner.layers
+
+
+def attention_layers(model) -> list[torch.nn.Module]:
+    return [layer.self_attn for layer in decoder_layers(model)]
 
 
 def is_sliding(model, layer_idx: int) -> bool:

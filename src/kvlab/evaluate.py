@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from kvlab.engine import evaluate_sample
-from kvlab.io import atomic_path
+from kvlab.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
@@ -70,8 +70,7 @@ def run_job(
     ]
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
-    with atomic_path(out_path) as tmp:
-        frame.to_parquet(tmp, index=False)
+    write_parquet(frame, out_path)
     return frame
 
 

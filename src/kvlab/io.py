@@ -29,6 +29,12 @@ def atomic_path(path: str | Path):
             os.remove(tmp)
 
 
+def write_parquet(frame, path: str | Path) -> None:
+    """Write a DataFrame as Parquet atomically (nothing half-written)."""
+    with atomic_path(path) as tmp:
+        frame.to_parquet(tmp, index=False)
+
+
 def log_to(path: str | Path | None) -> None:
     """Send logging (and warnings) of a rule script to its log file as well as stderr."""
     handlers: list[logging.Handler] = [logging.StreamHandler()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -108,6 +109,17 @@ def chat_prompt(tokenizer, before: str, question: str, followups: list[tuple[str
 
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def grid_samples(name: str, spec: dict, tokenizer, context_tokens: int, points, make: Callable) -> list[Sample]:
+    """`spec["samples"]` samples per grid point (a depth, a distance), each from
+    `make(name, spec, tokenizer, context_tokens, point, index, rng)` with its own rng, seeded by task name,
+    seed, context length, point and index — so adding a point or a sample leaves the others unchanged."""
+    return [
+        make(name, spec, tokenizer, context_tokens, point, i, random.Random(f"{name}:{spec['seed']}:{context_tokens}:{point}:{i}"))
+        for point in points
+        for i in range(spec["samples"])
+    ]
 
 
 def fit(name: str, target: int, build: Callable[[int], Prompt]) -> int:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from kvlab.corpus import kjv_sentences
-from kvlab.tasks.base import Prompt, Sample, encode
+from kvlab.corpus import kjv_sentences, prose_ids
+from kvlab.tasks.base import Prompt, Sample
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
@@ -17,12 +17,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
     for i in range(spec["samples"]):
         rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{i}")
         start = rng.randrange(len(sentences))
-        text, j = "", start
-        while True:  # add sentences until the text is long enough; the cut is in tokens
-            text += sentences[j % len(sentences)] + " "
-            j += 1
-            if len(text) > 3 * want and len(ids := encode(tokenizer, text)) >= want:
-                break
+        ids = prose_ids(tokenizer, sentences, start, want)
         # The last prefix token is fed with the continuation, so every continuation token is predicted
         # from a possibly compressed cache.
         prompt = Prompt(ids[: context_tokens - 1], [], ids[context_tokens - 1 : context_tokens], reference=ids[context_tokens:want])

@@ -4,20 +4,13 @@ method that kept only what the first question needed loses the second answer. Ro
 
 from __future__ import annotations
 
-import random
-
-from kvlab.tasks.base import Prompt, Sample, fit
+from kvlab.tasks.base import Prompt, Sample, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    out = []
-    for depth in spec["depths"]:
-        for i in range(spec["samples"]):
-            rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{depth}:{i}")
-            out.append(make_sample(name, spec, tokenizer, context_tokens, depth, i, rng))
-    return out
+    return grid_samples(name, spec, tokenizer, context_tokens, spec["depths"], make_sample)
 
 
 def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, index: int, rng) -> Sample:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit
+from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 
 ADJECTIVES = (
@@ -37,12 +37,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
     spec = {**DEFAULTS, **spec}
     if spec["queries"] > spec["keys"]:
         raise ValueError(f"task '{name}': queries ({spec['queries']}) cannot exceed keys ({spec['keys']})")
-    out = []
-    for depth in spec["depths"]:
-        for i in range(spec["samples"]):
-            rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{depth}:{i}")
-            out.append(make_sample(name, spec, tokenizer, context_tokens, depth, i, rng))
-    return out
+    return grid_samples(name, spec, tokenizer, context_tokens, spec["depths"], make_sample)
 
 
 def draw_keys(rng: random.Random, n: int) -> list[str]:

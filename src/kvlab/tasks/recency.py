@@ -4,9 +4,7 @@ needle and the end of the document; the needle goes at the sentence boundary clo
 
 from __future__ import annotations
 
-import random
-
-from kvlab.tasks.base import Sample, encode, fit
+from kvlab.tasks.base import Sample, encode, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
 
@@ -15,12 +13,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
     too_far = [d for d in spec["from_end_tokens"] if d >= context_tokens]
     if too_far:
         raise ValueError(f"task '{name}': from_end_tokens {too_far[0]} must be below context_tokens {context_tokens}")
-    out = []
-    for distance in spec["from_end_tokens"]:
-        for i in range(spec["samples"]):
-            rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{distance}:{i}")
-            out.append(make_sample(name, spec, tokenizer, context_tokens, distance, i, rng))
-    return out
+    return grid_samples(name, spec, tokenizer, context_tokens, spec["from_end_tokens"], make_sample)
 
 
 def make_sample(name: str, spec: dict, tokenizer, target: int, distance: int, index: int, rng) -> Sample:

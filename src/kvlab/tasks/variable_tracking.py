@@ -4,10 +4,9 @@ through the chain. Other chains bound to other values are distractors. Scored wi
 
 from __future__ import annotations
 
-import random
 import string
 
-from kvlab.tasks.base import Sample, fit
+from kvlab.tasks.base import Sample, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import render
 
@@ -19,12 +18,7 @@ QUESTION = (
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    out = []
-    for depth in spec["depths"]:
-        for i in range(spec["samples"]):
-            rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{depth}:{i}")
-            out.append(make_sample(name, spec, tokenizer, context_tokens, depth, i, rng))
-    return out
+    return grid_samples(name, spec, tokenizer, context_tokens, spec["depths"], make_sample)
 
 
 def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, index: int, rng) -> Sample:
