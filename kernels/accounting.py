@@ -301,12 +301,54 @@ def _quantized_layer_bytes(geom: KVGeometry, scheme: Scheme, n: int) -> int:
         if scheme.group is None:
             return codes
         return codes + n * _ceil_div(geom.latent_dim, scheme.group) * meta
-    d, g = geom.head_dim, scheme.group
-    per_head = 2 * _ceil_div(n * d * scheme.bits, 8)
-    if g is not None:
-        per_head += d * _ceil_div(n, g) * meta  # keys: one group per channel per g tokens
-        per_head += n * _ceil_div(d, g) * meta  # values: ceil(d/g) groups per token
-    return geom.kv_heads * per_head
+    if scheme.group is None:
+        codes = TensorCodes(scheme.bits, "static")
+        return 2 * tensor_code_bytes(codes, geom.kv_heads, geom.head_dim, n)
+    # keys: one group per channel per g tokens; values: ceil(d/g) groups per token
+    key = TensorCodes(scheme.bits, "channel", scheme.group, meta)
+    value = TensorCodes(scheme.bits, "token", scheme.group, meta)
+    return stored_layer_bytes(key, value, geom.kv_heads, geom.head_dim, n, 0, 0)
+
+
+@dataclass(frozen=True)
+class TensorCodes:
+    """How a real cache stores one tensor (keys or values) of one layer, for :func:`stored_layer_bytes`.
+
+    ``grouping`` says where the metadata goes: ``channel`` (one fp16 scale + fp16 zero per channel per
+    ``group`` tokens, KIVI keys), ``token`` (per token per ``min(group, head_dim)`` channels, KIVI values and
+    per-token INT8), ``static`` (scales fixed by calibration: model constants, 0 bytes in the cache) or
+    ``tensor`` (one fp32 scale per layer, set at prefill). ``outliers`` sparse entries per vector cost 3 bytes
+    each (fp16 value + uint8 channel index).
+    """
+
+    bits: int
+    grouping: str
+    group: int = 0
+    meta_bytes: int = 4
+    outliers: int = 0
+
+
+def tensor_code_bytes(codes: TensorCodes, kv_heads: int, head_dim: int, tokens: int) -> int:
+    """Exact bytes of ``tokens`` quantized tokens of one tensor of one layer (codes packed per head)."""
+    n, d = tokens, head_dim
+    total = kv_heads * _ceil_div(n * d * codes.bits, 8) + kv_heads * n * codes.outliers * 3
+    if codes.grouping == "channel":
+        total += kv_heads * d * _ceil_div(n, codes.group) * codes.meta_bytes
+    elif codes.grouping == "token":
+        total += kv_heads * n * _ceil_div(d, min(codes.group, d)) * codes.meta_bytes
+    elif codes.grouping == "tensor":
+        total += 4
+    elif codes.grouping != "static":
+        raise ValueError(f"grouping must be channel, token, static or tensor, got {codes.grouping!r}")
+    return total
+
+
+def stored_layer_bytes(key: TensorCodes, value: TensorCodes, kv_heads: int, head_dim: int, quantized: int,
+                       dense: int, dense_bytes: int) -> int:
+    """Bytes one quantized cache layer stores: ``quantized`` tokens as codes, ``dense`` tokens (residual
+    window and sinks) at ``dense_bytes`` per element."""
+    return (tensor_code_bytes(key, kv_heads, head_dim, quantized) + tensor_code_bytes(value, kv_heads, head_dim, quantized)
+            + dense * 2 * kv_heads * head_dim * dense_bytes)
 
 
 def _layer_bytes_per_token(geom: KVGeometry, scheme: Scheme) -> Fraction:

@@ -89,7 +89,10 @@ def test_rows_cover_grid_and_bytes_are_measured(tiny, sample):
 def test_cache_stats_counts_stored_tensors():
     cache = DynamicCache()
     cache.update(torch.zeros(1, 2, 10, 8), torch.zeros(1, 2, 10, 8), 0)
-    assert cache_stats(cache) == {"kv_bytes": 2 * 2 * 10 * 8 * 4, "kv_tokens_mean": 10.0}
+    stats = cache_stats(cache, Variant("s", "kvpress", 0.5, {"press": "SnapKVPress"}), context=20)
+    assert stats["kv_bytes"] == stats["kv_bytes_formula"] == 2 * 2 * 10 * 8 * 4
+    assert stats["kv_tokens_mean"] == 10.0
+    assert stats["compression_vs_bf16"] == 2.0  # half the context kept, as bf16
 
 
 SNAP = {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}

@@ -107,7 +107,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
     rows = []
     for v in variants(run["methods"], run["budgets"]):
         cache = compress(model, base, v)
-        held = cache_stats(cache)
+        held = cache_stats(cache, v, base.length)
         greedy_decode(model, [cache], sample.prompt.suffix, base.length, 2, stop=False)  # warm-up (cache left as is)
         t0 = time.perf_counter()
         (ids,) = greedy_decode(model, [cache], sample.prompt.suffix, base.length, new_tokens, stop=False)

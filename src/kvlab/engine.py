@@ -23,9 +23,12 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
+from kvlab.kernels import accounting, kvcache
 from kvlab.methods import Variant
+from kvlab.methods.quantized import layouts, quantize_layers
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
 
@@ -131,25 +134,27 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
 
 @torch.no_grad()
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
-    """A compressed copy of `base.cache` for `variant` (for full, a copy sharing the base's tensors)."""
+    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any), then quantized (if a
+    quantized method). For full, a copy sharing the base's tensors."""
     cache = shallow_copy(base.cache)
     press = variant.make_press()
-    if press is None:
-        return cache
-    press.post_init_from_model(model)
-    cache_position = torch.arange(base.length, device=model.device)
-    for idx, module in enumerate(attention_layers(model)):
-        if is_sliding(model, idx):
-            continue
-        cap = base.captures[idx]
-        layer = cache.layers[idx]
-        kwargs = {
-            "hidden_states": cap.hidden_states,
-            "position_embeddings": (cap.cos, cap.sin),
-            "past_key_values": cache,
-            "cache_position": cache_position,
-        }
-        layer.keys, layer.values = press.compress(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
+    if press is not None:
+        press.post_init_from_model(model)
+        cache_position = torch.arange(base.length, device=model.device)
+        for idx, module in enumerate(attention_layers(model)):
+            if is_sliding(model, idx):
+                continue
+            cap = base.captures[idx]
+            layer = cache.layers[idx]
+            kwargs = {
+                "hidden_states": cap.hidden_states,
+                "position_embeddings": (cap.cos, cap.sin),
+                "past_key_values": cache,
+                "cache_position": cache_position,
+            }
+            layer.keys, layer.values = press.compress(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
+    if variant.quantized:
+        quantize_layers(cache, {"kind": variant.kind, **variant.params}, [is_sliding(model, i) for i in range(len(cache.layers))], base.captures)
     return cache
 
 
@@ -161,20 +166,78 @@ def shallow_copy(cache: DynamicCache) -> DynamicCache:
     return out
 
 
-def cache_stats(cache: DynamicCache) -> dict:
-    """Bytes and tokens actually held by the cache's stored tensors (not the requested ratio)."""
-    nbytes = 0
+def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
+    """What the cache really holds after compressing a `context`-token prefill: bytes of the stored tensors
+    (not the requested ratio), the accounting formula's bytes for what is held, and the compression against
+    the uncompressed context in bf16 (codes and metadata as stored; full-precision residual, sinks and dense
+    entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
+    nbytes = formula = stored_bf16 = reference_bf16 = 0
     tokens = []
     for layer in cache.layers:
-        nbytes += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        tokens.append(layer.keys.shape[-2])
-    return {"kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens))}
+        held = layer.get_seq_length()
+        tokens.append(held)
+        measured = kvcache.layer_nbytes(layer)
+        nbytes += measured
+        quantized = getattr(layer, "_quantized_keys", None)
+        heads, d = (quantized if quantized is not None else layer.keys).shape[1::2]
+        token_bf16 = 2 * heads * d * 2
+        reference_bf16 += (held if getattr(layer, "is_sliding", False) else context) * token_bf16
+        dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
+        if isinstance(layer, kvcache.QuantizedKVLayer):
+            n = layer.counts()
+            key, value = layouts({"kind": variant.kind, **variant.params}, d)
+            dense_tokens = n["sink_tokens"] + n["residual_tokens"]
+            formula += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
+            stored_bf16 += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
+        elif quantized is not None:  # transformers' QuantizedCache layer: measured only
+            formula = float("nan")
+            stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2
+        else:
+            formula += measured
+            stored_bf16 += dense * 2
+    return {
+        "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
+        "compression_vs_bf16": reference_bf16 / stored_bf16,
+    }
+
+
+class Rows(DynamicLayer):
+    """One batched cache layer over per-row layers of any kind (e.g. quantized ones, which cannot be
+    concatenated): each row's own layer is updated with its slice of the new tokens and its full-precision
+    view is laid out like the dense batch — its stored entries left-aligned and padded to `width`, the fed tail
+    after — so Batch's masks apply unchanged. Rows are forked first; the original caches are never touched."""
+
+    def __init__(self, rows: list, width: int):
+        super().__init__()
+        self.rows = [kvcache.fork_layer(r) for r in rows]
+        self.lengths = [r.get_seq_length() for r in rows]
+        self.width, self.fed = width, 0
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        b, h, n, d = key_states.shape
+        keys = key_states.new_zeros(b, h, self.width + self.fed + n, d)
+        values = torch.zeros_like(keys)
+        for i, (row, held) in enumerate(zip(self.rows, self.lengths)):
+            kw = cache_kwargs and {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            k, v = row.update(key_states[i : i + 1], value_states[i : i + 1], kw)
+            keys[i, :, :held], keys[i, :, self.width :] = k[0, :, :held], k[0, :, held:]
+            values[i, :, :held], values[i, :, self.width :] = v[0, :, :held], v[0, :, held:]
+        self.fed += n
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.width + self.fed
+
+    def keep(self, rows: list[int]) -> None:
+        self.rows = [self.rows[i] for i in rows]
+        self.lengths = [self.lengths[i] for i in rows]
 
 
 class Batch:
     """Several single-row caches of the same prompt as one batched cache, each layer right-padded to its
     longest row; `lengths[layer][row]` is what that row really holds. Sliding layers are never compressed,
-    so they are equal across rows and need no padding."""
+    so they are equal across rows and need no padding. Layers where some row is quantized become `Rows`."""
 
     def __init__(self, model, caches: list[DynamicCache]):
         self.model = model
@@ -183,13 +246,17 @@ class Batch:
         self.padded: list[int] = []
         for idx, layer in enumerate(self.cache.layers):
             rows = [c.layers[idx] for c in caches]
-            n = [r.keys.shape[-2] for r in rows]
+            n = [r.get_seq_length() for r in rows]
             width = max(n)
-            layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
-            layer.values = torch.cat([_pad(r.values, width) for r in rows])
-            self.lengths.append(torch.tensor(n, device=layer.keys.device))
+            if any(kvcache.is_quantized(r) for r in rows):
+                self.cache.layers[idx] = Rows(rows, width)
+            else:
+                layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
+                layer.values = torch.cat([_pad(r.values, width) for r in rows])
+            self.lengths.append(torch.tensor(n, device=model.device))
             self.padded.append(width)
         self.fed = 0  # tail tokens appended since stacking
+        self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
 
     @property
     def size(self) -> int:
@@ -199,8 +266,11 @@ class Batch:
         """Drop every other row (finished sequences stop costing compute)."""
         index = torch.tensor(rows, device=self.lengths[0].device)
         for idx, layer in enumerate(self.cache.layers):
-            layer.keys = layer.keys.index_select(0, index)
-            layer.values = layer.values.index_select(0, index)
+            if isinstance(layer, Rows):
+                layer.keep(rows)
+            else:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
             self.lengths[idx] = self.lengths[idx].index_select(0, index)
 
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -308,10 +378,21 @@ def greedy_decode(
 @torch.no_grad()
 def teacher_forced(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int) -> torch.Tensor:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
-    `path` are fed after its cache (one forward pass for all rows and tokens)."""
+    `path` are fed after its cache. Dense caches take one forward pass for all tokens; with a quantized row
+    the path is fed one token at a time, as in decoding, so each token sees earlier ones as the cache stores
+    them (quantized once they leave the residual window)."""
+    if not tail:
+        raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     batch = Batch(model, caches)
     ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
-    logits = batch.forward(ids, start, logits_to_keep=len(path))
+    if not batch.stepwise:
+        logits = batch.forward(ids, start, logits_to_keep=len(path))
+    else:
+        first = len(tail)  # the tail's last logits predict path[0]
+        steps = [batch.forward(ids[:, :first], start)]
+        for i in range(first, ids.shape[1]):
+            steps.append(batch.forward(ids[:, i : i + 1], start + i))
+        logits = torch.cat(steps, dim=1)
     return torch.log_softmax(logits.float(), dim=-1)
 
 
@@ -363,7 +444,7 @@ def evaluate_sample(
             t0 = time.perf_counter()
             caches.append(compress(model, base, variant))
             compress_s.append(time.perf_counter() - t0)
-            stats.append(cache_stats(caches[-1]))
+            stats.append(cache_stats(caches[-1], variant, base.length))
         turns = [(tail, sample.gold)]
         for turn in p.followups:
             turns.append((turns[-1][0] + turn.ids, turn.gold))

@@ -1,7 +1,8 @@
 """Methods by name: config entries become variants (a method at one budget) the engine can apply.
 
-Kinds: ``full`` (no compression, the reference) and ``kvpress`` (any press class of kvpress by name).
-A new kind is one module with a ``variants(name, spec, budgets)`` function plus one line in KINDS.
+Kinds: ``full`` (no compression, the reference), ``kvpress`` (any press class of kvpress by name), and the
+quantized caches ``quant`` / ``hf_quantized`` (``kvlab.methods.quantized``; ``quant`` composes with a press).
+A method with a press runs at every budget; one without runs once, at budget 1.0.
 """
 
 from __future__ import annotations
@@ -21,11 +22,17 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return self.method if self.kind == "full" else f"{self.method}@{self.budget:g}"
+        return f"{self.method}@{self.budget:g}" if "press" in self.params else self.method
+
+    @property
+    def quantized(self) -> bool:
+        from kvlab.methods.quantized import QUANT_KINDS
+
+        return self.kind in QUANT_KINDS
 
     def make_press(self) -> Any:
-        """A fresh kvpress press for this variant (None for full)."""
-        if self.kind == "full":
+        """A fresh kvpress press for this variant (None when it evicts nothing)."""
+        if "press" not in self.params:
             return None
         import kvpress
 
@@ -38,14 +45,21 @@ CALIBRATED_KWARGS = {"n_sink": ("stream_sinks", "n_sink")}  # kwarg -> (calibrat
 
 
 def uses_calibration(methods: dict) -> bool:
-    return any(v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values())
+    from kvlab.methods.quantized import needs_calibration
+
+    return any(
+        v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values()
+    ) or any(needs_calibration(m) for m in methods.values())
 
 
 def with_calibration(methods: dict, calibration_dir) -> dict:
     """`methods` with every `calibrated` kwarg replaced by the model's measured value, e.g. StreamingLLM's
-    `n_sink` by the leading sink positions calibration found."""
+    `n_sink` by the leading sink positions calibration found. Quantized methods that read calibration tables
+    (FP8 scales, KVQuant grids) get the folder as `calibration`."""
     import pandas as pd
     from pathlib import Path
+
+    from kvlab.methods.quantized import needs_calibration
 
     out = {}
     for name, spec in methods.items():
@@ -54,17 +68,19 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
             if value == CALIBRATED:
                 table, column = CALIBRATED_KWARGS[key]
                 kwargs[key] = int(pd.read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
-        out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else spec
+        out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else dict(spec)
+        if needs_calibration(spec):
+            out[name]["calibration"] = str(calibration_dir)
     return out
 
 
 def variants(methods: dict, budgets: list[float]) -> list[Variant]:
-    """Expand config `methods` × `budgets` (full runs once, at budget 1.0)."""
+    """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0)."""
     out = []
     for name, spec in methods.items():
-        if spec["kind"] == "full":
-            out.append(Variant(name, "full", 1.0))
-        else:
-            params = {k: v for k, v in spec.items() if k != "kind"}
+        params = {k: v for k, v in spec.items() if k != "kind"}
+        if "press" in spec:
             out.extend(Variant(name, spec["kind"], float(b), params) for b in budgets)
+        else:
+            out.append(Variant(name, spec["kind"], 1.0, params))
     return out

@@ -1,0 +1,319 @@
+"""Quantized KV cache layers on transformers' Cache API.
+
+A :class:`QuantizedKVLayer` stores, per layer and in sequence order:
+  1. ``sinks``: the first ``sink_tokens`` tokens in full precision (KVQuant's attention-sink option);
+  2. the quantized part: packed codes plus their metadata (scales, zero points, sparse outliers) only;
+  3. the residual: the newest tokens in full precision, between ``residual`` and ``residual + group - 1``
+     of them (``self.keys`` / ``self.values``, as in transformers' DynamicLayer).
+Streaming (KIVI): new tokens enter the residual; whenever it holds ``residual + group`` tokens, its oldest
+``group`` tokens are quantized as one complete group and appended to the codes. Codes are written once and
+never dequantized-and-requantized. A prefilled cache is split the same way in one step: every complete
+group beyond the last ``residual`` tokens is quantized, the rest stays in the residual.
+
+``update`` returns the full-precision view for attention: the dequantized codes, the residual and the new
+tokens unquantized — so the tokens of a prefill chunk attend to each other exactly, as in KIVI, and a decoded
+token is quantized only once it leaves the residual window.
+
+Codecs (one per tensor): :class:`AffineCodec` (KIVI INT2/4/8 on a ``channel`` or ``token`` axis, per-token
+INT8), :class:`FP8Codec` (E4M3, static per-head scales from calibration or one dynamic per-tensor scale),
+:class:`GridKeyCodec` (KVQuant-style: pre-RoPE keys, per-channel calibrated scale, non-uniform grid, optional
+per-vector sparse outliers). Code storage grows along the token axis, so one decode call covers it all.
+On CUDA the Triton kernels of ``triton_quant`` run; elsewhere the torch references of ``quant`` (equal codes).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvlab.kernels import quant
+
+
+def ops(x: torch.Tensor):
+    """The Triton kernels on CUDA, the torch references elsewhere (same codes, tested)."""
+    if x.is_cuda:
+        from kvlab.kernels import triton_quant
+
+        return triton_quant
+    return quant
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=2)
+
+
+# --------------------------------------------------------------------------- #
+# Codecs: (B, H, n, D) float ↔ a dict of storage tensors whose dim 2 grows with tokens
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class AffineCodec:
+    """Asymmetric min–max integers. ``channel``: per channel over groups of ``group`` tokens (KIVI keys);
+    ``token``: per token over groups of ``group`` channels (KIVI values; INT8 per-token with group = D)."""
+
+    bits: int
+    group: int
+    axis: str
+
+    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
+        b, h, n, d = x.shape
+        packed, scale, zero = ops(x).affine_quantize(quant.to_rows(x, self.axis, self.group), self.bits)
+        if self.axis == "channel":  # rows are (b, h, token group, channel)
+            lead = (b, h, n // self.group, d)
+        else:  # rows are (b, h, token, channel group)
+            lead = (b, h, n, d // quant.value_group(self.group, d))
+        return {"codes": packed.view(*lead, -1), "scale": scale.view(lead), "zero": zero.view(lead)}
+
+    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
+        rows = ops(s["codes"]).affine_dequantize(
+            s["codes"].reshape(-1, s["codes"].shape[-1]), s["scale"].reshape(-1), s["zero"].reshape(-1), self.bits
+        )
+        return quant.from_rows(rows, self.axis, self.group, shape)
+
+
+@dataclass
+class FP8Codec:
+    """E4M3 codes of x / scale: static per-KV-head scales (calibration), or — when ``scales`` is None — one
+    per-tensor scale set from the first tensor encoded (the prefill) and reused for every later token."""
+
+    scales: torch.Tensor | None = None  # (H,) float32, static
+    dynamic: torch.Tensor | None = field(default=None, repr=False)  # () float32, set on first encode
+
+    def _row_scales(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, n, _ = x.shape
+        if self.scales is not None:
+            per_head = self.scales.to(x.device, torch.float32)
+        else:
+            if self.dynamic is None:
+                self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(1e-12)
+            per_head = self.dynamic.expand(h)
+        return per_head.view(1, h, 1).expand(b, h, n).reshape(-1)
+
+    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
+        codes = ops(x).fp8_quantize(x.reshape(-1, x.shape[-1]), self._row_scales(x))
+        return {"codes": codes.view(x.shape)}
+
+    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
+        scale = self._row_scales(torch.empty(shape, device=s["codes"].device, dtype=torch.float32))
+        return ops(s["codes"]).fp8_dequantize(s["codes"].reshape(-1, shape[-1]), scale).view(shape)
+
+    def constant_bytes(self) -> int:
+        """The dynamic per-tensor scale is part of the cache; static scales are calibration constants."""
+        return 4 if self.scales is None else 0
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of RoPE k·cos + rotate_half(k)·sin (cos² + sin² is the rope's attention scaling squared)."""
+    return (k * cos - rotate_half(k) * sin) / (cos * cos + sin * sin)
+
+
+def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return k * cos + rotate_half(k) * sin
+
+
+@dataclass
+class GridKeyCodec:
+    """KVQuant-style keys: un-rotate to pre-RoPE with the tokens' own positions, divide each channel by its
+    calibrated pre-RoPE absmax, take the nearest level of the layer's calibrated non-uniform grid; the
+    ``outliers`` largest normalized entries of each key vector are kept in fp16 (dense-and-sparse) with a
+    uint8 channel index. Decoding rescales and re-rotates."""
+
+    bits: int
+    levels: torch.Tensor  # (2^bits,) sorted, in normalized units
+    channel_scale: torch.Tensor  # (H, D) pre-RoPE absmax per channel
+    outliers: int = 0  # per key vector
+
+    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
+        pre = unrotate(x.float(), cos[:, None].float(), sin[:, None].float())
+        v = pre / self.channel_scale.to(x.device, torch.float32)[None, :, None, :]
+        out = {"codes": ops(x).grid_quantize(v.reshape(-1, v.shape[-1]), self.levels.to(x.device), self.bits).view(*v.shape[:3], -1)}
+        if self.outliers:
+            idx = v.abs().topk(self.outliers, dim=-1).indices
+            out["outlier_index"] = idx.to(torch.uint8)
+            out["outlier_value"] = v.gather(-1, idx).to(torch.float16)
+        return out
+
+    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
+        codes = s["codes"]
+        v = ops(codes).grid_dequantize(codes.reshape(-1, codes.shape[-1]), self.levels.to(codes.device), self.bits).view(shape)
+        if self.outliers:
+            v = v.scatter(-1, s["outlier_index"].long(), s["outlier_value"].float())
+        pre = v * self.channel_scale.to(codes.device, torch.float32)[None, :, None, :]
+        return rotate(pre, cos[:, None].float(), sin[:, None].float())
+
+
+# --------------------------------------------------------------------------- #
+# The layer
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class LayerSpec:
+    """How one layer stores its cache: codecs per tensor, the flush unit, the residual and sink counts."""
+
+    key: Any
+    value: Any
+    group: int  # tokens quantized at once (a complete key group); 1 for per-token schemes
+    residual: int  # newest tokens always kept in full precision
+    sink_tokens: int = 0  # first tokens always kept in full precision
+    rope: bool = False  # the key codec needs each token's RoPE tables (pre-RoPE quantization)
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """A cache layer holding sinks + packed codes + a full-precision residual (see the module docstring)."""
+
+    def __init__(self, spec: LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.sink_keys = self.sink_values = None
+        self.stored: dict[str, dict[str, torch.Tensor]] = {"key": {}, "value": {}}
+        self.quantized = 0  # tokens in codes
+        self.cumulative_length = 0
+        # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
+        # rotary cache, kept beside the cache and not counted as KV bytes.
+        self.cos = self.sin = None
+
+    def fork(self) -> "QuantizedKVLayer":
+        """An independent copy sharing the stored tensors (updates build new tensors, never write in place)."""
+        out = copy.copy(self)
+        out.stored = {k: dict(v) for k, v in self.stored.items()}
+        return out
+
+    def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.quantized:
+            return None, None
+        shape = (*self.keys.shape[:2], self.quantized, self.keys.shape[-1])
+        cos = sin = None
+        if self.spec.rope:
+            lo = self.spec.sink_tokens
+            cos, sin = self.cos[:, lo : lo + self.quantized], self.sin[:, lo : lo + self.quantized]
+        k = self.spec.key.decode(self.stored["key"], shape, cos, sin).to(self.dtype)
+        v = self.spec.value.decode(self.stored["value"], shape, cos, sin).to(self.dtype)
+        return k, v
+
+    def full(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sinks, dequantized codes, residual (and new tokens) in sequence order, full precision."""
+        dk, dv = self._dequantized()
+        ks = [t for t in (self.sink_keys, dk, self.keys, new_keys) if t is not None]
+        vs = [t for t in (self.sink_values, dv, self.values, new_values) if t is not None]
+        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+
+    def update(self, key_states, value_states, cache_kwargs: dict | None = None):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for t, what in ((key_states, "keys"), (value_states, "values")):
+            quant.check_input(t, f"quantized cache layer {what}")
+        out = self.full(key_states, value_states)
+        if self.spec.rope:
+            if not cache_kwargs or "cos" not in cache_kwargs:
+                raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")
+            cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
+            self.cos = cos if self.cos is None else torch.cat([self.cos, cos], dim=1)
+            self.sin = sin if self.sin is None else torch.cat([self.sin, sin], dim=1)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.cumulative_length += key_states.shape[-2]
+        self._settle()
+        return out
+
+    def _settle(self) -> None:
+        """Move leading tokens into the sinks, then quantize every complete group beyond the residual."""
+        spec = self.spec
+        held = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+        if held < spec.sink_tokens:
+            take = min(spec.sink_tokens - held, self.keys.shape[-2])
+            self.sink_keys = _cat(self.sink_keys, self.keys[..., :take, :])
+            self.sink_values = _cat(self.sink_values, self.values[..., :take, :])
+            self.keys, self.values = self.keys[..., take:, :], self.values[..., take:, :]
+        n = (self.keys.shape[-2] - spec.residual) // spec.group * spec.group
+        if n <= 0:
+            return
+        cos = sin = None
+        if spec.rope:
+            lo = spec.sink_tokens + self.quantized
+            cos, sin = self.cos[:, lo : lo + n], self.sin[:, lo : lo + n]
+        for name, codec, x in (("key", spec.key, self.keys), ("value", spec.value, self.values)):
+            block = codec.encode(x[..., :n, :], cos, sin)
+            self.stored[name] = {k: _cat(self.stored[name].get(k), t) for k, t in block.items()}
+        self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
+        self.quantized += n
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the layer stores: sinks, codes and metadata, residual."""
+        codes = sum(_nbytes(*d.values()) for d in self.stored.values())
+        constant = sum(getattr(c, "constant_bytes", lambda: 0)() for c in (self.spec.key, self.spec.value))
+        return _nbytes(self.sink_keys, self.sink_values, self.keys, self.values) + codes + constant
+
+    def counts(self) -> dict[str, int]:
+        """Tokens held per storage class (for the byte-accounting formula)."""
+        sinks = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+        return {"sink_tokens": sinks, "quantized_tokens": self.quantized, "residual_tokens": self.keys.shape[-2]}
+
+
+def layer_from_dense(keys: torch.Tensor, values: torch.Tensor, spec: LayerSpec, cos=None, sin=None) -> QuantizedKVLayer:
+    """A quantized layer holding a prefilled (possibly evicted) cache, split into sinks / codes / residual."""
+    layer = QuantizedKVLayer(spec)
+    layer.update(keys, values, {"cos": cos, "sin": sin} if spec.rope else None)
+    return layer
+
+
+def hf_quantized_layer(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, residual: int):
+    """transformers' QuantizedCache layer (quanto backend) holding a prefilled cache: the baseline. It
+    quantizes the whole prefill at once and re-quantizes everything whenever its residual fills."""
+    from transformers.cache_utils import QuantoQuantizedLayer
+
+    layer = QuantoQuantizedLayer(nbits=bits, axis_key=0, axis_value=0, q_group_size=group, residual_length=residual)
+    layer.update(keys, values)
+    return layer
+
+
+def tensor_nbytes(t) -> int:
+    """Bytes of a tensor, looking inside tensor subclasses (quanto's packed codes, scales and shifts)."""
+    if t is None:
+        return 0
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_nbytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def layer_nbytes(layer) -> int:
+    """Bytes one cache layer really stores, whatever its class."""
+    if isinstance(layer, QuantizedKVLayer):
+        return layer.nbytes()
+    dense = tensor_nbytes(layer.keys) + tensor_nbytes(layer.values)
+    return dense + tensor_nbytes(getattr(layer, "_quantized_keys", None)) + tensor_nbytes(getattr(layer, "_quantized_values", None))
+
+
+def is_quantized(layer) -> bool:
+    from transformers.cache_utils import QuantizedLayer
+
+    return isinstance(layer, (QuantizedKVLayer, QuantizedLayer))
+
+
+def fork_layer(layer):
+    """A copy of a cache layer that can be updated without touching the original."""
+    return layer.fork() if isinstance(layer, QuantizedKVLayer) else copy.copy(layer)
+
+
+def outliers_per_vector(fraction: float, head_dim: int) -> int:
+    """Sparse entries kept per key vector for a requested outlier fraction (at least one when > 0)."""
+    return 0 if fraction <= 0 else max(1, math.ceil(fraction * head_dim - 1e-9))

@@ -1,0 +1,198 @@
+"""KV quantizers: plain-torch references of every code format kvlab stores, plus the layouts that map a
+cache tensor onto them. The Triton kernels in ``kvlab.kernels.triton_quant`` compute exactly the same
+codes (tests/test_quant.py checks equality under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
+
+Every quantizer works on *rows*: a 2-D float tensor (N, L) whose rows are the quantization groups.
+  - affine: asymmetric min–max with ``bits`` ∈ {2, 4, 8}; per row one fp16 scale and one fp16 zero point.
+    The zero is the row minimum rounded *down* to fp16 and the scale ``(max - zero) / (2^bits - 1)`` rounded
+    *up*, so the grid always covers the row and the error is at most half a step (no clamping).
+  - fp8: E4M3 (``float8_e4m3fn``, round to nearest even) of ``x / scale``, saturated at ±448.
+  - grid: the nearest of ``2^bits`` sorted levels (a non-uniform grid, KVQuant-style), found by counting the
+    midpoints below the value (ties go to the lower level).
+Codes narrower than a byte are packed little-end first: code j of a byte sits at bits ``[bits*j, bits*(j+1))``.
+
+Layouts (a cache tensor is (B, H, T, D)):
+  - ``channel``: per channel, in groups of G consecutive tokens (KIVI's keys) — rows are (channel, token group);
+  - ``token``: per token, in groups of G channels (KIVI's values, and per-token INT8 with G = D).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # largest finite E4M3 value
+FP16_MAX = 65504.0
+PACKABLE_BITS = (2, 4, 8)
+
+
+# --------------------------------------------------------------------------- #
+# Checks
+# --------------------------------------------------------------------------- #
+
+
+def check_input(x: torch.Tensor, what: str) -> None:
+    """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata)."""
+    if not torch.is_floating_point(x):
+        raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+    if not bool(torch.isfinite(x).all()):
+        bad = int((~torch.isfinite(x)).sum())
+        raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")
+
+
+def check_bits(bits: int) -> None:
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"bits must be one of {PACKABLE_BITS} (codes are packed whole into bytes), got {bits}")
+
+
+# --------------------------------------------------------------------------- #
+# Bit packing
+# --------------------------------------------------------------------------- #
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(N, L) integer codes < 2^bits → (N, L * bits / 8) uint8."""
+    per = 8 // bits
+    n, length = codes.shape
+    if length % per:
+        raise ValueError(f"pack: row length {length} is not a multiple of {per} ({bits}-bit codes per byte)")
+    c = codes.to(torch.int32).view(n, length // per, per)
+    shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
+    return (c << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """(N, C) uint8 → (N, C * 8 / bits) uint8 codes (inverse of :func:`pack`)."""
+    per = 8 // bits
+    shifts = (torch.arange(per, device=packed.device) * bits).to(torch.uint8)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+# --------------------------------------------------------------------------- #
+# fp16 metadata with directed rounding
+# --------------------------------------------------------------------------- #
+
+
+def _fp16_step(h: torch.Tensor, up: bool) -> torch.Tensor:
+    """The next fp16 value above (`up`) or below ``h`` (finite inputs, result as fp16)."""
+    bits = h.view(torch.int16).to(torch.int32)  # sign-magnitude: negative floats are negative ints
+    if up:  # +x grows in magnitude, -x shrinks; -0 (0x8000) steps to the smallest positive subnormal
+        nxt = torch.where(bits >= 0, bits + 1, torch.where(bits == -32768, 1, bits - 1))
+    else:  # +x shrinks (+0 steps to 0x8001, the smallest negative subnormal), -x grows
+        nxt = torch.where(bits > 0, bits - 1, torch.where(bits == 0, -32767, bits + 1))
+    return nxt.to(torch.int16).view(torch.float16)
+
+
+def fp16_down(x: torch.Tensor) -> torch.Tensor:
+    """Largest fp16 ≤ x (x float32)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() > x, _fp16_step(h, up=False), h)
+
+
+def fp16_up(x: torch.Tensor) -> torch.Tensor:
+    """Smallest fp16 ≥ x (x float32)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() < x, _fp16_step(h, up=True), h)
+
+
+# --------------------------------------------------------------------------- #
+# Row quantizers (the references)
+# --------------------------------------------------------------------------- #
+
+
+def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16)."""
+    check_bits(bits)
+    x = rows.float()
+    if x.numel() and float(x.abs().max()) > FP16_MAX / 2:
+        raise ValueError(
+            f"affine quantization: |x| up to {float(x.abs().max()):.3g} exceeds what fp16 scales and zero points "
+            f"can describe (|x| ≤ {FP16_MAX / 2:g})"
+        )
+    zero = fp16_down(x.amin(1))
+    levels = 2**bits - 1
+    scale = fp16_up((x.amax(1) - zero.float()) / levels)
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.floor((x - zero.float()[:, None]) / safe[:, None] + 0.5).clamp_(0, levels)
+    return pack(q.to(torch.uint8), bits), scale, zero
+
+
+def affine_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`affine_quantize`: (N, L) float32."""
+    return unpack(packed, bits).float() * scale.float()[:, None] + zero.float()[:, None]
+
+
+def fp8_quantize(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows (N, L) and one float32 scale per row (N,) → E4M3 codes of ``x / scale`` as uint8 (N, L), saturating."""
+    y = (rows.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`fp8_quantize`: (N, L) float32."""
+    return codes.view(torch.float8_e4m3fn).float() * scale.float()[:, None]
+
+
+def grid_midpoints(levels: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries between sorted levels (float32)."""
+    lv = levels.float()
+    return (lv[1:] + lv[:-1]) * 0.5
+
+
+def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows (N, L) of normalized values → packed indices of the nearest level (N, L*bits/8) uint8."""
+    check_bits(bits)
+    if levels.numel() != 2**bits:
+        raise ValueError(f"grid quantization: {levels.numel()} levels given, {bits} bits need {2**bits}")
+    if bool((levels[1:] < levels[:-1]).any()):
+        raise ValueError("grid quantization: levels must be sorted ascending")
+    mids = grid_midpoints(levels)
+    q = (rows.float()[..., None] > mids).sum(-1)
+    return pack(q.to(torch.uint8), bits)
+
+
+def grid_dequantize(packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    return levels.float()[unpack(packed, bits).long()]
+
+
+# --------------------------------------------------------------------------- #
+# Layouts: cache tensors (B, H, T, D) ↔ rows
+# --------------------------------------------------------------------------- #
+
+
+def value_group(group: int, head_dim: int) -> int:
+    """Channels per per-token group: G, or the whole head when it is narrower than G."""
+    g = min(group, head_dim)
+    if head_dim % g:
+        raise ValueError(f"group {group} does not divide head_dim {head_dim}; pick a divisor of {head_dim}")
+    return g
+
+
+def to_rows(x: torch.Tensor, axis: str, group: int) -> torch.Tensor:
+    """(B, H, T, D) → rows. ``channel``: T must be a multiple of ``group``; ``token``: see :func:`value_group`."""
+    b, h, t, d = x.shape
+    if axis == "channel":
+        if t % group:
+            raise ValueError(f"per-channel groups need a multiple of {group} tokens, got {t}")
+        return x.reshape(b, h, t // group, group, d).transpose(-1, -2).reshape(-1, group)
+    if axis == "token":
+        g = value_group(group, d)
+        return x.reshape(-1, g)
+    raise ValueError(f"axis must be 'channel' or 'token', got {axis!r}")
+
+
+def from_rows(rows: torch.Tensor, axis: str, group: int, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Inverse of :func:`to_rows`."""
+    b, h, t, d = shape
+    if axis == "channel":
+        return rows.reshape(b, h, t // group, d, group).transpose(-1, -2).reshape(b, h, t, d)
+    return rows.reshape(b, h, t, d)
+
+
+def pad_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Repeat the last token until T is a multiple (a repeated token changes no group's min or max)."""
+    t = x.shape[-2]
+    extra = -t % multiple
+    if extra == 0:
+        return x
+    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)

@@ -1,0 +1,112 @@
+"""Quantized-cache methods: config entries → per-layer cache layouts (``kvlab.kernels.kvcache``).
+
+Kinds:
+  ``quant``         our caches: ``scheme`` ∈ fp8 | int8 | kivi | kvquant (see SCHEMES), optionally composed with
+                    eviction (``press`` + ``kwargs``: evict first, then quantize what is kept);
+  ``hf_quantized``  transformers' QuantizedCache (quanto backend), the baseline users can reach today.
+Only full-attention layers are quantized; sliding-window layers (Gemma 3) keep their own window untouched.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from kvlab.kernels import kvcache
+from kvlab.kernels.accounting import TensorCodes
+
+QUANT_KINDS = ("quant", "hf_quantized")
+
+SCHEMES = {
+    "fp8": "FP8 E4M3, every token at once; static per-(layer, KV head) scales from calibration, or one dynamic "
+    "per-tensor scale per layer set at prefill",
+    "int8": "INT8 per token (asymmetric min–max over the head's channels), every token at once",
+    "kivi": "KIVI: keys per channel in groups of G tokens, values per token in groups of G channels, asymmetric "
+    "min–max, newest R tokens in full precision (axes configurable for the 2-bit ablation)",
+    "kvquant": "KVQuant-style: pre-RoPE keys per channel (calibrated scale) on the calibrated non-uniform grid, "
+    "top outliers per key vector in fp16, first sink_tokens in full precision; values per token as KIVI",
+}
+
+
+def needs_calibration(spec: dict) -> bool:
+    return spec["kind"] == "quant" and (spec["scheme"] == "kvquant" or (spec["scheme"] == "fp8" and spec["scales"] == "calibrated"))
+
+
+@lru_cache(maxsize=8)
+def _table(calibration_dir: str, name: str) -> pd.DataFrame:
+    return pd.read_parquet(Path(calibration_dir) / f"{name}.parquet")
+
+
+def _fp8_scales(spec: dict, layer: int, tensor: str) -> torch.Tensor:
+    t = _table(spec["calibration"], "fp8_scales")
+    rows = t[(t["layer"] == layer) & (t["tensor"] == tensor)].sort_values("kv_head")
+    return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(1e-12)
+
+
+def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    grids = _table(spec["calibration"], "kvquant_grids")
+    g = grids[(grids["layer"] == layer) & (grids["bits"] == spec["bits"])].sort_values("level")
+    if len(g) != 2 ** spec["bits"]:
+        raise ValueError(f"calibration has no {spec['bits']}-bit KVQuant grid for layer {layer}; calibrated bits: {sorted(grids['bits'].unique())}")
+    ch = _table(spec["calibration"], "key_channels")
+    ch = ch[(ch["layer"] == layer) & (ch["tensor"] == "key_pre_rope")].sort_values(["kv_head", "channel"])
+    scale = torch.tensor(ch["absmax"].to_numpy(), dtype=torch.float32).view(heads, head_dim).clamp_min(1e-12)
+    return torch.tensor(g["value"].to_numpy(), dtype=torch.float32), scale
+
+
+def layer_spec(spec: dict, layer: int, heads: int, head_dim: int) -> kvcache.LayerSpec:
+    """The storage of one full-attention layer under a `quant` method."""
+    scheme, bits, group, residual = spec["scheme"], spec["bits"], spec["group"], spec["residual"]
+    if scheme == "fp8":
+        scales = (lambda t: _fp8_scales(spec, layer, t)) if spec["scales"] == "calibrated" else (lambda t: None)
+        return kvcache.LayerSpec(kvcache.FP8Codec(scales("key")), kvcache.FP8Codec(scales("value")), group=1, residual=0)
+    if scheme == "int8":
+        codec = kvcache.AffineCodec(8, head_dim, "token")
+        return kvcache.LayerSpec(codec, codec, group=1, residual=0)
+    if scheme == "kivi":
+        return kvcache.LayerSpec(
+            kvcache.AffineCodec(bits, group, spec["key_axis"]), kvcache.AffineCodec(bits, group, spec["value_axis"]),
+            group=group, residual=residual,
+        )
+    levels, scale = _kvquant_tables(spec, layer, heads, head_dim)
+    key = kvcache.GridKeyCodec(bits, levels, scale, kvcache.outliers_per_vector(spec["outliers"], head_dim))
+    return kvcache.LayerSpec(
+        key, kvcache.AffineCodec(bits, group, "token"), group=group, residual=residual, sink_tokens=spec["sink_tokens"], rope=True
+    )
+
+
+def layouts(spec: dict, head_dim: int) -> tuple[TensorCodes, TensorCodes]:
+    """What the byte-accounting formula needs to know about each tensor's codes (kvlab.kernels.accounting)."""
+    scheme, bits, group = spec["scheme"], spec["bits"], spec["group"]
+    if scheme == "fp8":
+        codes = TensorCodes(8, "static" if spec["scales"] == "calibrated" else "tensor")
+        return codes, codes
+    if scheme == "int8":
+        codes = TensorCodes(8, "token", head_dim)
+        return codes, codes
+    if scheme == "kivi":
+        return TensorCodes(bits, spec["key_axis"], group), TensorCodes(bits, spec["value_axis"], group)
+    outliers = kvcache.outliers_per_vector(spec["outliers"], head_dim)
+    return TensorCodes(bits, "static", outliers=outliers), TensorCodes(bits, "token", group)
+
+
+def quantize_layers(cache, spec: dict, sliding: list[bool], captures) -> None:
+    """Replace every full-attention layer of `cache` (a DynamicCache, after any eviction) by its quantized
+    form. `captures` give the RoPE tables of the prefill positions (pre-RoPE key codecs)."""
+    for idx, layer in enumerate(cache.layers):
+        if sliding[idx]:
+            continue
+        keys, values = layer.keys, layer.values
+        if spec["kind"] == "hf_quantized":
+            cache.layers[idx] = kvcache.hf_quantized_layer(keys, values, spec["bits"], spec["group"], spec["residual"])
+            continue
+        ls = layer_spec(spec, idx, keys.shape[1], keys.shape[-1])
+        cos = sin = None
+        if ls.rope:
+            cos, sin = captures[idx].cos, captures[idx].sin
+            if cos.shape[1] != keys.shape[-2]:
+                raise ValueError("pre-RoPE key quantization needs every prefill position; it cannot follow eviction")
+        cache.layers[idx] = kvcache.layer_from_dense(keys, values, ls, cos, sin)
