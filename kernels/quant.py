@@ -1,6 +1,6 @@
 """KV quantizers: plain-torch references of every code format kvlab stores, plus the layouts that map a
 cache tensor onto them. The Triton kernels in ``kvlab.kernels.triton_quant`` compute exactly the same
-codes (tests/test_quant.py checks equality under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
+codes (tests/test_triton_quant.py checks equality under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
 
 Every quantizer works on *rows*: a 2-D float tensor (N, L) whose rows are the quantization groups.
   - affine: asymmetric min–max with ``bits`` ∈ {2, 4, 8}; per row one fp16 scale and one fp16 zero point.

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton kernels run in its CPU interpreter. The flag is read when triton.language is first
+# imported (its standard library is decorated then), so it is set here, before any test module imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 

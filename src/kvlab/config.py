@@ -97,7 +97,9 @@ def _check_semantics(config: dict, where: str) -> None:
     """Checks a schema cannot express."""
     presses = kvpress_press_names()
     for name, method in config["methods"].items():
-        if method["kind"] == "kvpress":
+        if method["kind"] == "quant":
+            _check_quant(name, method, where)
+        if "press" in method:
             press = method["press"]
             if press not in presses:
                 close = [p for p in presses if p.lower().startswith(press.lower()[:4])]
@@ -136,6 +138,17 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
                         f"max_position_embeddings {limit}"
                     )
+
+
+def _check_quant(name: str, method: dict, where: str) -> None:
+    key = f"{where}: key 'methods.{name}"
+    if method["scheme"] == "kvquant":
+        if method["bits"] not in (2, 4):
+            raise ConfigError(f"{key}.bits': kvquant uses the calibrated 2- or 4-bit grid, got {method['bits']}")
+        if "press" in method:
+            raise ConfigError(f"{key}.press': kvquant un-rotates keys with every prefill position and cannot follow eviction; use kivi, int8 or fp8 with a press")
+    if method["scheme"] == "kivi" and method["group"] > 1 and method["group"] % (8 // method["bits"]):
+        raise ConfigError(f"{key}.group': {method['bits']}-bit codes pack {8 // method['bits']} per byte; group must be a multiple of that")
 
 
 CALIBRATION_TABLES = (

@@ -1,0 +1,269 @@
+"""Quantized cache layers (kvlab.kernels.kvcache) and quantized methods in the engine, on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.cache_utils import Cache
+
+from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
+from kvlab.kernels import accounting, kvcache, quant
+from kvlab.methods import Variant, variants
+from kvlab.methods.quantized import layer_spec, layouts
+
+H, D = 2, 16
+QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token",
+             "scales": "dynamic", "outliers": 0.0, "sink_tokens": 0}
+
+
+def qspec(scheme: str, **kw) -> dict:
+    return {"kind": "quant", "scheme": scheme, **QDEFAULTS, **kw}
+
+
+def random_kv(t: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, H, t, D, generator=g)
+    keys[..., 3] *= 20  # an outlier channel, as real keys have
+    return keys, torch.randn(1, H, t, D, generator=g)
+
+
+def rope_tables(t: int, start: int = 0):
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    angles = torch.arange(start, start + t).float()[:, None] * inv[None]
+    emb = torch.cat([angles, angles], -1)[None]
+    return emb.cos(), emb.sin()
+
+
+def kvquant_spec(bits=4, outliers=0.0, sink_tokens=0) -> kvcache.LayerSpec:
+    levels = torch.linspace(-1, 1, 2**bits)
+    scale = torch.full((H, D), 3.0)
+    scale[:, 3] = 60.0
+    key = kvcache.GridKeyCodec(bits, levels, scale, kvcache.outliers_per_vector(outliers, D))
+    return kvcache.LayerSpec(key, kvcache.AffineCodec(bits, 8, "token"), group=8, residual=8, sink_tokens=sink_tokens, rope=True)
+
+
+SPECS = {
+    "kivi4": lambda: layer_spec(qspec("kivi"), 0, H, D),
+    "kivi2_swapped": lambda: layer_spec(qspec("kivi", bits=2, key_axis="token", value_axis="channel"), 0, H, D),
+    "int8": lambda: layer_spec(qspec("int8"), 0, H, D),
+    "fp8_dynamic": lambda: layer_spec(qspec("fp8"), 0, H, D),
+    "fp8_static": lambda: kvcache.LayerSpec(kvcache.FP8Codec(torch.full((H,), 0.05)), kvcache.FP8Codec(torch.full((H,), 0.01)), 1, 0),
+    "kvquant": lambda: kvquant_spec(outliers=0.05, sink_tokens=2),
+}
+LAYOUTS = {
+    "kivi4": layouts(qspec("kivi"), D),
+    "kivi2_swapped": layouts(qspec("kivi", bits=2, key_axis="token", value_axis="channel"), D),
+    "int8": layouts(qspec("int8"), D),
+    "fp8_dynamic": layouts(qspec("fp8"), D),
+    "fp8_static": layouts(qspec("fp8", scales="calibrated"), D),
+    "kvquant": (accounting.TensorCodes(4, "static", outliers=1), accounting.TensorCodes(4, "token", 8)),
+}
+
+
+def feed(layer, keys, values, start, chunk):
+    """Append keys[start:] to `layer` `chunk` tokens at a time (with their RoPE tables)."""
+    for i in range(start, keys.shape[-2], chunk):
+        cos, sin = rope_tables(min(chunk, keys.shape[-2] - i), i)
+        layer.update(keys[..., i : i + chunk, :], values[..., i : i + chunk, :], {"cos": cos, "sin": sin})
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_streaming_gives_the_codes_of_quantizing_at_once(name):
+    """Tokens appended one at a time are stored exactly as a prefill of the same tokens: groups are quantized
+    once, when complete, and never re-quantized. (A dynamic FP8 scale is set by the prefill and kept.)"""
+    keys, values = random_kv(61)
+    cos, sin = rope_tables(61)
+    streamed = kvcache.layer_from_dense(keys[..., :5, :], values[..., :5, :], SPECS[name](), cos[:, :5], sin[:, :5])
+    spec = SPECS[name]()
+    if name == "fp8_dynamic":
+        spec.key.dynamic, spec.value.dynamic = streamed.spec.key.dynamic, streamed.spec.value.dynamic
+    at_once = kvcache.layer_from_dense(keys, values, spec, cos, sin)
+    before = {t: {k: v.clone() for k, v in d.items()} for t, d in streamed.stored.items()}
+    feed(streamed, keys, values, 5, 1)
+    assert streamed.counts() == at_once.counts()
+    for tensor in ("key", "value"):
+        for part, codes in at_once.stored[tensor].items():
+            assert torch.equal(streamed.stored[tensor][part], codes), (tensor, part)
+            old = before[tensor].get(part)
+            if old is not None:  # what was stored earlier is a prefix, untouched
+                assert torch.equal(streamed.stored[tensor][part][:, :, : old.shape[2]], old)
+    assert torch.equal(streamed.keys, at_once.keys)  # the residual
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("t", [1, 7, 8, 16, 33, 100])
+def test_measured_bytes_equal_the_formula(name, t):
+    keys, values = random_kv(t)
+    cos, sin = rope_tables(t)
+    layer = kvcache.layer_from_dense(keys, values, SPECS[name](), cos, sin)
+    n = layer.counts()
+    key, value = LAYOUTS[name]
+    dense = n["sink_tokens"] + n["residual_tokens"]
+    assert layer.nbytes() == accounting.stored_layer_bytes(key, value, H, D, n["quantized_tokens"], dense, 4)
+    assert sum(n.values()) == t == layer.get_seq_length()
+
+
+def test_kivi_keeps_the_last_residual_tokens_exact_and_quantizes_whole_groups():
+    keys, values = random_kv(8)
+    layer = kvcache.layer_from_dense(keys, values, SPECS["kivi4"]())
+    for t in range(8, 60):
+        n = layer.counts()
+        assert 8 <= n["residual_tokens"] < 16 and n["quantized_tokens"] % 8 == 0
+        k, v = random_kv(1, seed=t)
+        out_k, out_v = layer.update(k, v)
+        assert torch.equal(out_k[..., -1:, :], k) and torch.equal(out_v[..., -1:, :], v)  # the new token, exact
+        assert torch.equal(out_k[..., -9:-1, :], layer.keys[..., -9:-1, :]) or n["residual_tokens"] == 15
+
+
+@pytest.mark.parametrize("name", [n for n in SPECS if n != "kivi2_swapped"])
+def test_dequantized_view_is_close_to_the_input(name):
+    keys, values = random_kv(64)
+    cos, sin = rope_tables(64)
+    layer = kvcache.layer_from_dense(keys, values, SPECS[name](), cos, sin)
+    k, v = layer.full()
+    assert k.shape == keys.shape
+    assert (k - keys).abs().mean() < 0.15 * keys.abs().mean()
+    assert (v - values).abs().mean() < 0.15 * values.abs().mean()
+
+
+def test_two_bit_keys_with_an_outlier_channel_need_per_channel_groups():
+    """The KIVI ablation in miniature: a channel 20x larger than the rest swamps per-token groups."""
+    keys, values = random_kv(64)
+    err = {}
+    for axis in ("channel", "token"):
+        layer = kvcache.layer_from_dense(keys, values, layer_spec(qspec("kivi", bits=2, key_axis=axis), 0, H, D))
+        k, _ = layer.full()
+        normal = [c for c in range(D) if c != 3]
+        err[axis] = float((k - keys)[..., normal].abs().mean())
+    assert err["token"] > 3 * err["channel"]
+
+
+def test_kvquant_quantizes_keys_before_rope():
+    """With a grid holding exactly the pre-RoPE values, codes are lossless: rotation is undone and redone."""
+    t = 24
+    levels = torch.tensor([-2.0, -1.0, 0.0, 1.0])
+    pre = levels[torch.randint(0, 4, (1, H, t, D), generator=torch.Generator().manual_seed(0))]
+    cos, sin = rope_tables(t)
+    keys = kvcache.rotate(pre, cos[:, None], sin[:, None])
+    codec = kvcache.GridKeyCodec(2, levels, torch.ones(H, D))
+    back = codec.decode(codec.encode(keys, cos, sin), keys.shape, cos, sin)
+    torch.testing.assert_close(back, keys, atol=1e-5, rtol=0)
+    # quantizing the rotated keys directly on that grid would not be lossless
+    assert (quant.grid_dequantize(quant.grid_quantize(keys.reshape(-1, D), levels, 2), levels, 2).view_as(keys) - keys).abs().max() > 0.1
+
+
+def test_kvquant_outliers_and_sinks_are_kept_in_full_precision():
+    keys, values = random_kv(40)
+    cos, sin = rope_tables(40)
+    layer = kvcache.layer_from_dense(keys, values, kvquant_spec(bits=2, outliers=0.05, sink_tokens=2), cos, sin)
+    k, _ = layer.full()
+    assert torch.equal(k[..., :2, :], keys[..., :2, :])  # sinks
+    pre = kvcache.unrotate(keys, cos[:, None], sin[:, None])
+    back = kvcache.unrotate(k, cos[:, None], sin[:, None])
+    worst = (pre - back).abs()[..., 2:24, :].argmax(-1)  # within quantized tokens
+    biggest = (pre / layer.spec.key.channel_scale[None, :, None]).abs()[..., 2:24, :].argmax(-1)
+    assert not bool((worst == biggest).any())  # the largest entry of every vector is never the worst one
+
+
+def test_bad_values_are_refused_before_storing():
+    layer = kvcache.QuantizedKVLayer(SPECS["kivi4"]())
+    keys, values = random_kv(20)
+    keys[0, 0, 3, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        layer.update(keys, values)
+    assert layer.quantized == 0 and layer.get_seq_length() == 0
+
+
+@pytest.fixture(scope="module")
+def sample(tiny):
+    from kvlab.tasks import GENERATORS
+
+    _, tokenizer = tiny
+    spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 40}
+    return GENERATORS["continuation"]("prose", spec, tokenizer, 200)[0]
+
+
+METHODS = {
+    "full": {"kind": "full"},
+    "kivi4": qspec("kivi", group=16, residual=16),
+    "kivi2": qspec("kivi", bits=2, group=16, residual=16),
+    "int8": qspec("int8"),
+    "fp8": qspec("fp8"),
+    "hf4": {"kind": "hf_quantized", "bits": 4, "group": 16, "residual": 16},
+    "snap_kivi4": {**qspec("kivi", group=16, residual=16), "press": "SnapKVPress", "kwargs": {"window_size": 16}},
+}
+
+
+def test_every_quantized_method_runs_in_the_engine_with_honest_bytes(tiny, sample):
+    model, tokenizer = tiny
+    grid = variants(METHODS, [0.5])
+    rows = {r["method"]: r for r in evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)}
+    assert rows["full"]["kl_vs_full"] == 0
+    for name in METHODS:
+        r = rows[name]
+        assert r["kl_vs_full"] >= 0 and r["tf_tokens"] == 40
+        if name != "hf4":
+            assert r["kv_bytes"] == r["kv_bytes_formula"], name
+    assert rows["kivi4"]["kl_vs_full"] < rows["kivi2"]["kl_vs_full"]
+    assert rows["int8"]["kl_vs_full"] < rows["kivi4"]["kl_vs_full"]
+    assert rows["snap_kivi4"]["kv_bytes"] < rows["kivi4"]["kv_bytes"] < rows["full"]["kv_bytes"]
+    assert rows["snap_kivi4"]["budget"] == 0.5 and rows["kivi4"]["budget"] == 1.0
+
+
+def test_composition_stores_codes_for_exactly_the_kept_tokens(tiny, sample):
+    model, _ = tiny
+    base = prefill(model, sample.prompt.context)
+    spec = METHODS["snap_kivi4"]
+    evicted = compress(model, base, Variant("snap", "kvpress", 0.5, {"press": spec["press"], "kwargs": spec["kwargs"]}))
+    composed = compress(model, base, Variant("snap_kivi4", "quant", 0.5, {k: v for k, v in spec.items() if k != "kind"}))
+    for dense, q in zip(evicted.layers, composed.layers):
+        n = q.counts()
+        assert n["quantized_tokens"] + n["residual_tokens"] == dense.keys.shape[-2]
+        k, _ = q.full()
+        torch.testing.assert_close(k[..., -n["residual_tokens"]:, :], dense.keys[..., -n["residual_tokens"]:, :])
+
+
+def test_batched_quantized_rows_decode_as_if_alone(tiny, sample):
+    """A quantized row batched with dense ones gives the logits it gives alone, and its cache is not changed."""
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context)
+    q = compress(model, base, variants({"k": METHODS["kivi2"]}, [1.0])[0])
+    full = compress(model, base, Variant("full", "full", 1.0))
+    held = q.layers[0].counts()
+    tail = torch.tensor([p.suffix + sample.prompt.reference[:20]])
+    alone = Batch(model, [q]).forward(tail, base.length, logits_to_keep=tail.shape[1])
+    together = Batch(model, [full, q]).forward(tail.expand(2, -1), base.length, logits_to_keep=tail.shape[1])
+    torch.testing.assert_close(together[1], alone[0], rtol=1e-4, atol=1e-4)
+    assert q.layers[0].counts() == held  # the batch forked the rows
+
+
+def test_generate_runs_with_each_quantized_cache(tiny):
+    """Any decoder generates with the layers through transformers' own generate()."""
+    model, _ = tiny
+    ids = torch.randint(0, 250, (1, 50), generator=torch.Generator().manual_seed(0))
+    cfg = model.config
+    head_dim = cfg.head_dim
+    for name in ("kivi4", "int8", "fp8"):
+        spec = qspec(name if name != "kivi4" else "kivi")
+        cache = Cache(layers=[kvcache.QuantizedKVLayer(layer_spec(spec, i, cfg.num_key_value_heads, head_dim)) for i in range(cfg.num_hidden_layers)])
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert out.shape[1] == 62
+        assert cache.layers[0].get_seq_length() == 61 and cache.layers[0].quantized > 0
+
+
+def test_sliding_layers_of_a_hybrid_model_are_left_alone():
+    cfg = AutoConfig.for_model(
+        "gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    base = prefill(model, list(range(3, 83)))
+    cache = compress(model, base, variants({"k": qspec("kivi")}, [1.0])[0])
+    assert cache.layers[0] is not base.cache.layers[0] and type(cache.layers[0]) is type(base.cache.layers[0])
+    assert torch.equal(cache.layers[0].keys, base.cache.layers[0].keys)
+    assert isinstance(cache.layers[1], kvcache.QuantizedKVLayer)
+    stats = cache_stats(cache, variants({"k": qspec("kivi")}, [1.0])[0], base.length)
+    assert stats["kv_bytes"] == stats["kv_bytes_formula"]
