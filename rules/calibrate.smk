@@ -10,7 +10,7 @@ rule calibrate:
         tables=expand("results/calibration/{{model}}/{table}.parquet", table=CALIBRATION_TABLES),
     params:
         spec=config["calibration"],
-        run=lambda w: run_params(),
+        run={key: config[key] for key in ("dtype", "device")},  # not the methods: editing them must not recalibrate
     log:
         "logs/calibrate/{model}.log",
     benchmark:

@@ -27,7 +27,9 @@ def expected_samples(spec: dict) -> int:
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     con = duckdb.connect(str(smoke_run / "results" / "kvlab.duckdb"), read_only=True)
     config = smoke_config()
-    n_variants = sum(1 if m["kind"] == "full" else len(config["budgets"]) for m in config["methods"].values())
+    per_method = {name: len(config["budgets"]) if "press" in m else 1 for name, m in config["methods"].items()}
+    n_variants = sum(per_method.values())
+    n_presses = sum(n for name, n in per_method.items() if config["methods"][name]["kind"] in ("full", "kvpress"))
     modes = len(config["question_modes"])
     for task, spec in config["tasks"].items():
         turns = 2 if spec["kind"] == "multi_turn" else 1
@@ -39,6 +41,9 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
             "decode_batch"} <= cols
     assert con.execute("SELECT DISTINCT model FROM eval").fetchall() == [("tiny-qwen2",)]
     assert con.execute("SELECT count(*) FROM eval WHERE kv_bytes <> kv_bytes_formula").fetchone() == (0,)
+    # every quantized cache of our own is measured and priced; transformers' baseline is measured only
+    assert con.execute("SELECT count(*) FROM eval WHERE kv_bytes_formula IS NULL AND scheme <> 'hf_quanto'").fetchone() == (0,)
+    assert con.execute("SELECT min(compression_vs_bf16) > 1 FROM eval WHERE scheme IS NOT NULL").fetchone() == (True,)
     assert con.execute("SELECT max(abs(kl_vs_full)) FROM eval WHERE method_kind = 'full'").fetchone()[0] < 1e-6
     assert con.execute("SELECT min(kl_vs_full) FROM eval WHERE method_kind <> 'full'").fetchone()[0] > 0
     speed = con.execute("SELECT count(*), min(tokens_per_s) FROM throughput").fetchone()
@@ -47,7 +52,7 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
         "SELECT variants, question_modes, agreement_agnostic, engine_s > 0 AND engine_agnostic_s > 0, pipeline_s > pipeline_agnostic_s "
         "FROM engine_vs_pipeline"
     ).fetchall()
-    assert bench == [(n_variants, "agnostic,aware", 1.0, True, True)]
+    assert bench == [(n_presses, "agnostic,aware", 1.0, True, True)]  # kvpress's pipeline runs presses only
     assert con.execute("SELECT count(*) FROM costs WHERE source = 'article'").fetchone()[0] == 5
     assert con.execute("SELECT count(*) FROM costs WHERE model = 'tiny-qwen2'").fetchone()[0] > 0
     jobs = {r[0] for r in con.execute("SELECT job FROM benchmarks").fetchall()}

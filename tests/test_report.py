@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from kvlab.report.build import build, load_queries
+import pandas as pd
+
+from kvlab.report.build import build, load_queries, quant_verdicts
 
 CHROMIUM = shutil.which("chromium")
 
@@ -28,7 +30,7 @@ def test_sections_and_queries_present(page):
     for title in ("Summary", "Accuracy vs KV budget", "Divergence from the full cache", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
-                  "Calibration: what the cache and attention look like"):
+                  "Calibration: what the cache and attention look like", "Quantized KV caches"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
@@ -37,6 +39,7 @@ def test_sections_and_queries_present(page):
     for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
         assert f"<h3>{sub}</h3>" in page
     assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
+    assert "C3 FP8 KL ≈ 1e-3 nat: holds" in page or "C3 FP8 KL ≈ 1e-3 nat: does not hold" in page
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):
@@ -77,3 +80,42 @@ def test_calibration_heatmap_renders_beyond_altair_row_limit():
     page = calibration_charts({"calib_channels": channels, "calib_massive": massive, "calib_sinks": sinks,
                                "calib_concentration": conc})
     assert page.count("<svg") == 4 and page.count("<path") > 100
+
+
+def kl_rows(**kl) -> pd.DataFrame:
+    """A hand-made quant_kl table: one row per (method, scheme, bits, key axis) with the given KL."""
+    rows = []
+    for method, (scheme, bits, key_axis, value) in kl.items():
+        rows.append({"model": "m", "method": method, "scheme": scheme, "bits": bits, "key_axis": key_axis,
+                     "value_axis": "token", "budget": 1.0, "context_tokens": 512, "kl_mean_nats": value,
+                     "compression_vs_bf16": 2.9, "codes_vs_bf16": 3.2})
+    return pd.DataFrame(rows)
+
+
+def acc_rows(delta: float) -> pd.DataFrame:
+    return pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
+                          "value_axis": "token", "budget": 1.0, "accuracy": 0.9 + delta / 100, "full_accuracy": 0.9,
+                          "delta_points": delta, "rows": 40}])
+
+
+def verdicts(kl, acc) -> dict:
+    return {claim.split()[0]: verdict for claim, verdict, _ in quant_verdicts(kl, acc)}
+
+
+def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
+    kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi4=("kivi", 4, "channel", 0.004),
+                 kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
+    assert verdicts(kl, acc_rows(-0.5)) == {"C3": "holds", "C4": "holds", "C5": "holds", "C10": "holds"}
+
+
+def test_quant_verdicts_fail_where_the_numbers_contradict_the_claims():
+    kl = kl_rows(fp8=("fp8", 8, None, 0.05), kivi4=("kivi", 4, "channel", 0.004),
+                 kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 0.3))
+    kl["codes_vs_bf16"] = 4.0  # e.g. metadata not stored
+    assert verdicts(kl, acc_rows(-5.0)) == {"C3": "does not hold", "C4": "does not hold", "C5": "does not hold",
+                                            "C10": "does not hold"}
+
+
+def test_quant_verdicts_say_not_measured_without_the_methods():
+    kl = kl_rows(kivi2=("kivi", 2, "channel", 0.1))
+    assert set(verdicts(kl, acc_rows(0).iloc[0:0]).values()) == {"not measured"}

@@ -171,7 +171,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     (not the requested ratio), the accounting formula's bytes for what is held, and the compression against
     the uncompressed context in bf16 (codes and metadata as stored; full-precision residual, sinks and dense
     entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
-    nbytes = formula = stored_bf16 = reference_bf16 = 0
+    nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
     tokens = []
     for layer in cache.layers:
         held = layer.get_seq_length()
@@ -189,6 +189,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             dense_tokens = n["sink_tokens"] + n["residual_tokens"]
             formula += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
             stored_bf16 += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
+            code_bytes += measured - dense * layer.keys.element_size() - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size())
+            code_tokens_bf16 += n["quantized_tokens"] * token_bf16
         elif quantized is not None:  # transformers' QuantizedCache layer: measured only
             formula = float("nan")
             stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2
@@ -198,6 +200,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     return {
         "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
         "compression_vs_bf16": reference_bf16 / stored_bf16,
+        # the quantized tokens alone: bf16 bytes / their codes and metadata (the steady-state ratio)
+        "codes_vs_bf16": code_tokens_bf16 / code_bytes if code_bytes else float("nan"),
     }
 
 
@@ -466,6 +470,7 @@ def evaluate_sample(
                         "method": variant.method,
                         "method_kind": variant.kind,
                         "press": variant.params.get("press"),
+                        **variant.storage,
                         "budget": variant.budget,
                         "question_mode": mode,
                         "turn": number,

@@ -63,10 +63,14 @@ def run_job(
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]
-    geom = KVGeometry.from_card(card)  # the byte-accounting formula beside the measured bytes
-    frame["kv_bytes_formula"] = [
+    # The byte-accounting formula beside the measured bytes: for dense caches, the kept fraction of the
+    # context at the run's dtype (what the budget asks for: presses that free nothing show up here); for
+    # quantized caches the engine already wrote codes + metadata + residual for the tokens held.
+    geom = KVGeometry.from_card(card)
+    dense = frame["scheme"].isna()
+    frame.loc[dense, "kv_bytes_formula"] = [
         context_bytes(geom, Scheme.dense(run["dtype"]).with_keep(b), n)
-        for b, n in zip(frame["budget"], frame["compressed_tokens"])
+        for b, n in zip(frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"])
     ]
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())

@@ -30,6 +30,18 @@ class Variant:
 
         return self.kind in QUANT_KINDS
 
+    @property
+    def storage(self) -> dict:
+        """How the kept entries are stored, for result rows: scheme, bits per element, KIVI axes."""
+        p = self.params
+        if self.kind == "hf_quantized":
+            return {"scheme": "hf_quanto", "bits": p["bits"], "key_axis": "token", "value_axis": "token"}
+        if self.kind != "quant":
+            return {"scheme": None, "bits": None, "key_axis": None, "value_axis": None}
+        bits = 8 if p["scheme"] in ("fp8", "int8") else p["bits"]
+        axes = (p["key_axis"], p["value_axis"]) if p["scheme"] == "kivi" else (None, None)
+        return {"scheme": p["scheme"], "bits": bits, "key_axis": axes[0], "value_axis": axes[1]}
+
     def make_press(self) -> Any:
         """A fresh kvpress press for this variant (None when it evicts nothing)."""
         if "press" not in self.params:

@@ -52,6 +52,38 @@ FROM paired WHERE method_kind <> 'full'
 GROUP BY ALL
 ORDER BY model, path DESC, task, context_tokens, question_mode, method, budget DESC;
 
+-- name: quant_kl
+-- Quantized caches on real prose: per-token KL(full ‖ method) along the true continuation, fed one token
+-- at a time, by scheme and bits; Δ perplexity paired by sample; compression from the stored bytes.
+WITH paired AS (
+    SELECT e.*, f.ppl AS full_ppl
+    FROM eval e JOIN eval f
+      ON f.method_kind = 'full' AND e.model = f.model AND e.sample_id = f.sample_id
+     AND e.question_mode = f.question_mode AND e.turn = f.turn
+)
+SELECT model, method, scheme, bits, key_axis, value_axis, budget, context_tokens,
+       avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl - full_ppl) AS delta_ppl,
+       avg(compression_vs_bf16) AS compression_vs_bf16, avg(codes_vs_bf16) AS codes_vs_bf16, count(*) AS samples
+FROM paired
+WHERE scheme IS NOT NULL AND metric = 'none' AND question_mode = 'agnostic'
+GROUP BY ALL
+ORDER BY model, scheme, bits DESC, method, context_tokens;
+
+-- name: quant_accuracy
+-- Quantized caches on every scored task and question mode, pooled: accuracy against the full cache on the
+-- same samples (points), beside the eviction budget (1 = nothing evicted).
+WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
+reference AS (
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
+)
+SELECT model, method, scheme, bits, key_axis, value_axis, budget,
+       avg(score) AS accuracy, avg(full_score) AS full_accuracy,
+       100 * (avg(score) - avg(full_score)) AS delta_points, count(*) AS rows
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+WHERE scheme IS NOT NULL
+GROUP BY ALL
+ORDER BY model, scheme, bits DESC, method, budget DESC;
+
 -- name: throughput
 -- Decode speed at batch 1 after each method's compression, and the KV bytes it holds.
 SELECT model, context_tokens, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
@@ -79,6 +111,7 @@ FROM costs WHERE source = 'model' ORDER BY model, total_bytes DESC;
 SELECT model, method, budget, question_mode, dtype,
        avg(compressed_tokens) AS prompt_part_tokens, avg(kv_tokens_mean) AS kept_tokens,
        avg(kv_bytes) AS measured_bytes, avg(kv_bytes_formula) AS formula_bytes,
+       avg(compression_vs_bf16) AS compression_vs_bf16,
        sum(CASE WHEN kv_bytes = kv_bytes_formula THEN 1 ELSE 0 END) AS rows_equal, count(*) AS rows
 FROM eval WHERE turn = 1 GROUP BY ALL ORDER BY model, question_mode, method, budget DESC;
 
