@@ -16,7 +16,7 @@ token is quantized only once it leaves the residual window.
 
 Codecs (one per tensor): :class:`AffineCodec` (KIVI INT2/4/8 on a ``channel`` or ``token`` axis, per-token
 INT8), :class:`FP8Codec` (E4M3, static per-head scales from calibration or one dynamic per-tensor scale),
-:class:`GridKeyCodec` (KVQuant-style: pre-RoPE keys, per-channel calibrated scale, non-uniform grid, optional
+:class:`GridKeyCodec` (KVQuant-style: pre-RoPE keys, per-channel calibrated range, non-uniform grid, optional
 per-vector sparse outliers). Code storage grows along the token axis, so one decode call covers it all.
 On CUDA the Triton kernels of ``triton_quant`` run; elsewhere the torch references of ``quant`` (equal codes).
 """
@@ -128,19 +128,25 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 @dataclass
 class GridKeyCodec:
-    """KVQuant-style keys: un-rotate to pre-RoPE with the tokens' own positions, divide each channel by its
-    calibrated pre-RoPE absmax, take the nearest level of the layer's calibrated non-uniform grid; the
-    ``outliers`` largest normalized entries of each key vector are kept in fp16 (dense-and-sparse) with a
-    uint8 channel index. Decoding rescales and re-rotates."""
+    """KVQuant-style keys: un-rotate to pre-RoPE with the tokens' own positions, map each channel onto
+    [-1, 1] by its calibrated range [lo, hi], take the nearest level of the layer's calibrated non-uniform
+    grid; the ``outliers`` largest normalized entries of each key vector are kept in fp16 (dense-and-sparse)
+    with a uint8 channel index. Decoding maps back and re-rotates."""
 
     bits: int
     levels: torch.Tensor  # (2^bits,) sorted, in normalized units
-    channel_scale: torch.Tensor  # (H, D) pre-RoPE absmax per channel
+    lo: torch.Tensor  # (H, D) calibrated pre-RoPE minimum per channel
+    hi: torch.Tensor  # (H, D) calibrated pre-RoPE maximum per channel
     outliers: int = 0  # per key vector
 
+    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-channel centre and half-width, broadcastable to (B, H, T, D)."""
+        lo, hi = self.lo.to(device, torch.float32), self.hi.to(device, torch.float32)
+        return ((hi + lo) / 2)[None, :, None], ((hi - lo) / 2).clamp_min(1e-12)[None, :, None]
+
     def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
-        pre = unrotate(x.float(), cos[:, None].float(), sin[:, None].float())
-        v = pre / self.channel_scale.to(x.device, torch.float32)[None, :, None, :]
+        centre, half = self._affine(x.device)
+        v = (unrotate(x.float(), cos[:, None].float(), sin[:, None].float()) - centre) / half
         out = {"codes": ops(x).grid_quantize(v.reshape(-1, v.shape[-1]), self.levels.to(x.device), self.bits).view(*v.shape[:3], -1)}
         if self.outliers:
             idx = v.abs().topk(self.outliers, dim=-1).indices
@@ -153,8 +159,8 @@ class GridKeyCodec:
         v = ops(codes).grid_dequantize(codes.reshape(-1, codes.shape[-1]), self.levels.to(codes.device), self.bits).view(shape)
         if self.outliers:
             v = v.scatter(-1, s["outlier_index"].long(), s["outlier_value"].float())
-        pre = v * self.channel_scale.to(codes.device, torch.float32)[None, :, None, :]
-        return rotate(pre, cos[:, None].float(), sin[:, None].float())
+        centre, half = self._affine(codes.device)
+        return rotate(v * half + centre, cos[:, None].float(), sin[:, None].float())
 
 
 # --------------------------------------------------------------------------- #

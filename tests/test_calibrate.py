@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from kvlab.calibrate import (
-    apply_rope, attention_rows, calibrate, calibration_sequences, concentration, leading_sinks, project, sink_rows,
+    apply_rope, attention_rows, calibrate, calibration_sequences, concentration, leading_sinks, lloyd_grid, project,
+    sink_rows,
 )
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.corpus import _all_sentences, kjv_sentences
@@ -56,6 +57,8 @@ def test_every_table_shape_and_range(tiny, tables):
     scales = tables["fp8_scales"]
     assert len(scales) == layers * kv * 2
     assert scales["scale"].tolist() == pytest.approx((scales["absmax"] / 448).tolist())
+    ranges = tables["kvquant_ranges"]
+    assert len(ranges) == layers * kv * model.config.head_dim and (ranges["lo"] < ranges["hi"]).all()
     grids = tables["kvquant_grids"]
     for (layer, bits), g in grids.groupby(["layer", "bits"]):
         assert len(g) == 2**bits and g["value"].is_monotonic_increasing and g["value"].between(-1, 1).all()
@@ -139,3 +142,15 @@ def test_calibrated_kwargs_take_the_measured_value(tmp_path):
     resolved = with_calibration(methods, tmp_path)
     assert resolved["stream"]["kwargs"] == {"n_sink": 3} and resolved["full"] == {"kind": "full"}
     assert methods["stream"]["kwargs"]["n_sink"] == "calibrated"  # the config is left as it was
+
+
+def test_lloyd_grid_lowers_the_rounding_error_of_equal_mass_levels():
+    """On heavy-tailed data the k-means grid beats the quantile grid it starts from (tails get levels)."""
+    x = torch.distributions.StudentT(3.0).sample((200_000,)).double().clamp(-20, 20) / 20
+    def mse(grid):
+        cell = torch.bucketize(x, (grid[1:] + grid[:-1]) / 2)
+        return float(((x - grid[cell]) ** 2).mean())
+    quantiles = torch.quantile(x, (torch.arange(4, dtype=x.dtype) + 0.5) / 4)
+    grid = lloyd_grid(x, 4)
+    assert bool((grid[1:] > grid[:-1]).all())
+    assert mse(grid) < 0.8 * mse(quantiles)

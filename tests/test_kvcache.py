@@ -37,9 +37,9 @@ def rope_tables(t: int, start: int = 0):
 
 def kvquant_spec(bits=4, outliers=0.0, sink_tokens=0) -> kvcache.LayerSpec:
     levels = torch.linspace(-1, 1, 2**bits)
-    scale = torch.full((H, D), 3.0)
-    scale[:, 3] = 60.0
-    key = kvcache.GridKeyCodec(bits, levels, scale, kvcache.outliers_per_vector(outliers, D))
+    hi = torch.full((H, D), 3.0)
+    hi[:, 3] = 60.0
+    key = kvcache.GridKeyCodec(bits, levels, -hi, hi, kvcache.outliers_per_vector(outliers, D))
     return kvcache.LayerSpec(key, kvcache.AffineCodec(bits, 8, "token"), group=8, residual=8, sink_tokens=sink_tokens, rope=True)
 
 
@@ -146,7 +146,8 @@ def test_kvquant_quantizes_keys_before_rope():
     pre = levels[torch.randint(0, 4, (1, H, t, D), generator=torch.Generator().manual_seed(0))]
     cos, sin = rope_tables(t)
     keys = kvcache.rotate(pre, cos[:, None], sin[:, None])
-    codec = kvcache.GridKeyCodec(2, levels, torch.ones(H, D))
+    # range [-2, 2] per channel: normalized values are the key values / 2
+    codec = kvcache.GridKeyCodec(2, levels / 2, torch.full((H, D), -2.0), torch.full((H, D), 2.0))
     back = codec.decode(codec.encode(keys, cos, sin), keys.shape, cos, sin)
     torch.testing.assert_close(back, keys, atol=1e-5, rtol=0)
     # quantizing the rotated keys directly on that grid would not be lossless
@@ -162,7 +163,7 @@ def test_kvquant_outliers_and_sinks_are_kept_in_full_precision():
     pre = kvcache.unrotate(keys, cos[:, None], sin[:, None])
     back = kvcache.unrotate(k, cos[:, None], sin[:, None])
     worst = (pre - back).abs()[..., 2:24, :].argmax(-1)  # within quantized tokens
-    biggest = (pre / layer.spec.key.channel_scale[None, :, None]).abs()[..., 2:24, :].argmax(-1)
+    biggest = (pre / layer.spec.key.hi[None, :, None]).abs()[..., 2:24, :].argmax(-1)  # symmetric ranges here
     assert not bool((worst == biggest).any())  # the largest entry of every vector is never the worst one
 
 
@@ -245,9 +246,11 @@ def test_generate_runs_with_each_quantized_cache(tiny):
     ids = torch.randint(0, 250, (1, 50), generator=torch.Generator().manual_seed(0))
     cfg = model.config
     head_dim = cfg.head_dim
-    for name in ("kivi4", "int8", "fp8"):
-        spec = qspec(name if name != "kivi4" else "kivi")
-        cache = Cache(layers=[kvcache.QuantizedKVLayer(layer_spec(spec, i, cfg.num_key_value_heads, head_dim)) for i in range(cfg.num_hidden_layers)])
+    assert (cfg.num_key_value_heads, head_dim) == (H, D)
+    makers = {name: (lambda i, n=name: layer_spec(qspec(n), i, H, D)) for name in ("kivi", "int8", "fp8")}
+    makers["kvquant"] = lambda i: kvquant_spec(outliers=0.05, sink_tokens=1)  # RoPE tables come from the model
+    for name, make in makers.items():
+        cache = Cache(layers=[kvcache.QuantizedKVLayer(make(i)) for i in range(cfg.num_hidden_layers)])
         out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert out.shape[1] == 62
         assert cache.layers[0].get_seq_length() == 61 and cache.layers[0].quantized > 0

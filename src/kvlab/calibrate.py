@@ -15,7 +15,8 @@ Outputs (one Parquet table each, all read back by the report and by later rules)
                  that takes at least `sink_threshold` of the mass in that layer, averaged over query positions
   concentration  per layer: mean attention entropy and the mean fraction of visible keys holding 90% of mass
   fp8_scales     per (layer, KV head, key | value): absmax and the static E4M3 scale absmax / 448
-  kvquant_grids  per (layer, bits): the non-uniform grid (quantiles of per-channel-normalized pre-RoPE keys)
+  kvquant_ranges per (layer, KV head, channel): the pre-RoPE key range [lo, hi] (token 0, the sink, left out)
+  kvquant_grids  per (layer, bits): the non-uniform grid on range-normalized pre-RoPE keys (1-D k-means)
   layer_budget   per layer: a measured budget weight (mean 1) for PyramidKV-style allocation
   stream_sinks   per model: the leading sink positions StreamingLLM should keep
 """
@@ -221,18 +222,26 @@ def massive_rows(h: torch.Tensor, layer: int, sequences: list[list[int]], classe
 
 def fed_forward(tables: dict, keys_pre, keys_post, values, sink_threshold: float) -> dict[str, pd.DataFrame]:
     """What later stages consume: FP8 scales, KVQuant grids, a per-layer budget profile, StreamingLLM sinks."""
-    scales, grids = [], []
+    scales, grids, ranges = [], [], []
     for i in range(len(keys_pre)):
         for name, xs in (("key", keys_post[i]), ("value", values[i])):
             absmax = torch.cat(xs).abs().amax(dim=(0, 2))  # per KV head
             scales += [{"layer": i, "kv_head": h, "tensor": name, "absmax": float(a), "scale": float(a) / FP8_E4M3_MAX}
                        for h, a in enumerate(absmax)]
-        pre = torch.cat(keys_pre[i]).float()  # (N, H, d)
-        normalized = (pre / pre.abs().amax(0, keepdim=True).clamp_min(1e-12)).flatten()
+        # KVQuant-style keys: every channel mapped onto [-1, 1] by its own calibrated range (asymmetric, so a
+        # channel's offset costs no levels), then one non-uniform grid per layer fitted to the pooled values.
+        # Token 0 (the attention sink, kept in full precision at run time) is left out of both.
+        pre = torch.cat([x[1:] for x in keys_pre[i]]).float()  # (N, H, d)
+        lo, hi = pre.amin(0), pre.amax(0)
+        h, d = lo.shape
+        ranges.append(pd.DataFrame({
+            "layer": i, "kv_head": np.repeat(np.arange(h), d), "channel": np.tile(np.arange(d), h),
+            "lo": lo.flatten().numpy(), "hi": hi.flatten().numpy(),
+        }))
+        normalized = (2 * (pre - lo) / (hi - lo).clamp_min(1e-12) - 1).flatten()
+        sample = normalized[:: max(1, normalized.numel() // 1_000_000)].double()
         for bits in GRID_BITS:
-            levels = 2**bits
-            probs = (torch.arange(levels, dtype=torch.float64) + 0.5) / levels
-            grid = torch.quantile(normalized.double()[:: max(1, normalized.numel() // 1_000_000)], probs)
+            grid = lloyd_grid(sample, 2**bits)
             grids += [{"layer": i, "bits": bits, "level": k, "value": float(v)} for k, v in enumerate(grid)]
     conc = tables["concentration"]
     budget = conc[["layer", "keys90_fraction", "entropy"]].copy()
@@ -242,7 +251,23 @@ def fed_forward(tables: dict, keys_pre, keys_post, values, sink_threshold: float
         "n_sink": n_sink, "token0_mass_mean": float(conc["token0_mass"].mean()),
         "token0_mass_max": float(conc["token0_mass"].max()), "layers": len(keys_pre),
     }])
-    return {"fp8_scales": pd.DataFrame(scales), "kvquant_grids": pd.DataFrame(grids), "layer_budget": budget, "stream_sinks": stream}
+    return {
+        "fp8_scales": pd.DataFrame(scales), "kvquant_ranges": pd.concat(ranges, ignore_index=True),
+        "kvquant_grids": pd.DataFrame(grids), "layer_budget": budget, "stream_sinks": stream,
+    }
+
+
+def lloyd_grid(x: torch.Tensor, levels: int, iterations: int = 30) -> torch.Tensor:
+    """`levels` sorted values minimizing the squared error of rounding `x` to the nearest (1-D k-means,
+    Lloyd's iterations from equal-mass quantiles). KVQuant weights this fit by each entry's sensitivity
+    (Fisher information); we fit it unweighted."""
+    grid = torch.quantile(x, (torch.arange(levels, dtype=x.dtype) + 0.5) / levels)
+    for _ in range(iterations):
+        cell = torch.bucketize(x, (grid[1:] + grid[:-1]) / 2)
+        sums = torch.zeros_like(grid).index_add_(0, cell, x)
+        counts = torch.zeros_like(grid).index_add_(0, cell, torch.ones_like(x))
+        grid = torch.where(counts > 0, sums / counts.clamp_min(1), grid)
+    return grid.sort().values
 
 
 def leading_sinks(sinks: pd.DataFrame, layers: int, threshold: float) -> int:

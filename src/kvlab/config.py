@@ -97,6 +97,11 @@ def _check_semantics(config: dict, where: str) -> None:
     """Checks a schema cannot express."""
     presses = kvpress_press_names()
     for name, method in config["methods"].items():
+        unknown = [t for t in method.get("tasks", []) if t not in config["tasks"]]
+        if unknown:
+            raise ConfigError(f"{where}: key 'methods.{name}.tasks': no task {unknown[0]!r}; configured tasks: {', '.join(config['tasks'])}")
+        if method["kind"] == "full" and "tasks" in method:
+            raise ConfigError(f"{where}: key 'methods.{name}.tasks': the full reference runs on every task; remove it")
         if method["kind"] == "quant":
             _check_quant(name, method, where)
         if "press" in method:
@@ -152,7 +157,8 @@ def _check_quant(name: str, method: dict, where: str) -> None:
 
 
 CALIBRATION_TABLES = (
-    "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_grids", "layer_budget", "stream_sinks"
+    "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_ranges", "kvquant_grids", "layer_budget",
+    "stream_sinks",
 )  # what the calibrate rule writes per model (see kvlab.calibrate)
 
 

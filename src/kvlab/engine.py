@@ -382,22 +382,30 @@ def greedy_decode(
 @torch.no_grad()
 def teacher_forced(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int) -> torch.Tensor:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
-    `path` are fed after its cache. Dense caches take one forward pass for all tokens; with a quantized row
-    the path is fed one token at a time, as in decoding, so each token sees earlier ones as the cache stores
-    them (quantized once they leave the residual window)."""
+    `path` are fed after its cache. Dense caches take one forward pass for all tokens; quantized ones are fed
+    the path one token at a time, as in decoding, so each token sees earlier ones as the cache stores them
+    (quantized once they leave the residual window)."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
-    batch = Batch(model, caches)
-    ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
-    if not batch.stepwise:
-        logits = batch.forward(ids, start, logits_to_keep=len(path))
-    else:
-        first = len(tail)  # the tail's last logits predict path[0]
-        steps = [batch.forward(ids[:, :first], start)]
-        for i in range(first, ids.shape[1]):
-            steps.append(batch.forward(ids[:, i : i + 1], start + i))
-        logits = torch.cat(steps, dim=1)
-    return torch.log_softmax(logits.float(), dim=-1)
+    quantized = [any(kvcache.is_quantized(layer) for layer in c.layers) for c in caches]
+    out = None
+    for group in ([i for i, q in enumerate(quantized) if not q], [i for i, q in enumerate(quantized) if q]):
+        if not group:
+            continue
+        batch = Batch(model, [caches[i] for i in group])
+        ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
+        if not batch.stepwise:
+            logits = batch.forward(ids, start, logits_to_keep=len(path))
+        else:
+            first = len(tail)  # the tail's last logits predict path[0]
+            steps = [batch.forward(ids[:, :first], start)]
+            steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first, ids.shape[1])]
+            logits = torch.cat(steps, dim=1)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        if out is None:
+            out = logp.new_empty(len(caches), *logp.shape[1:])
+        out[group] = logp
+    return out
 
 
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:

@@ -53,7 +53,7 @@ def run_job(
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     samples = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)
-    grid = variants(run["methods"], run["budgets"])
+    grid = variants(run["methods"], run["budgets"], task)
     max_new_tokens = task_spec.get("max_new_tokens", run["max_new_tokens"])
     log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
     rows = []

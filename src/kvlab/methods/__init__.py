@@ -86,11 +86,14 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     return out
 
 
-def variants(methods: dict, budgets: list[float]) -> list[Variant]:
-    """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0)."""
+def variants(methods: dict, budgets: list[float], task: str | None = None) -> list[Variant]:
+    """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0); with `task`,
+    only the methods that run on it (a method's optional `tasks` list)."""
     out = []
     for name, spec in methods.items():
-        params = {k: v for k, v in spec.items() if k != "kind"}
+        if task is not None and task not in spec.get("tasks", [task]):
+            continue
+        params = {k: v for k, v in spec.items() if k not in ("kind", "tasks")}
         if "press" in spec:
             out.extend(Variant(name, spec["kind"], float(b), params) for b in budgets)
         else:

@@ -26,7 +26,7 @@ SCHEMES = {
     "int8": "INT8 per token (asymmetric min–max over the head's channels), every token at once",
     "kivi": "KIVI: keys per channel in groups of G tokens, values per token in groups of G channels, asymmetric "
     "min–max, newest R tokens in full precision (axes configurable for the 2-bit ablation)",
-    "kvquant": "KVQuant-style: pre-RoPE keys per channel (calibrated scale) on the calibrated non-uniform grid, "
+    "kvquant": "KVQuant-style: pre-RoPE keys per channel (calibrated range) on the calibrated non-uniform grid, "
     "top outliers per key vector in fp16, first sink_tokens in full precision; values per token as KIVI",
 }
 
@@ -46,15 +46,15 @@ def _fp8_scales(spec: dict, layer: int, tensor: str) -> torch.Tensor:
     return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(1e-12)
 
 
-def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grids = _table(spec["calibration"], "kvquant_grids")
     g = grids[(grids["layer"] == layer) & (grids["bits"] == spec["bits"])].sort_values("level")
     if len(g) != 2 ** spec["bits"]:
         raise ValueError(f"calibration has no {spec['bits']}-bit KVQuant grid for layer {layer}; calibrated bits: {sorted(grids['bits'].unique())}")
-    ch = _table(spec["calibration"], "key_channels")
-    ch = ch[(ch["layer"] == layer) & (ch["tensor"] == "key_pre_rope")].sort_values(["kv_head", "channel"])
-    scale = torch.tensor(ch["absmax"].to_numpy(), dtype=torch.float32).view(heads, head_dim).clamp_min(1e-12)
-    return torch.tensor(g["value"].to_numpy(), dtype=torch.float32), scale
+    r = _table(spec["calibration"], "kvquant_ranges")
+    r = r[r["layer"] == layer].sort_values(["kv_head", "channel"])
+    lo, hi = (torch.tensor(r[c].to_numpy(), dtype=torch.float32).view(heads, head_dim) for c in ("lo", "hi"))
+    return torch.tensor(g["value"].to_numpy(), dtype=torch.float32), lo, hi
 
 
 def layer_spec(spec: dict, layer: int, heads: int, head_dim: int) -> kvcache.LayerSpec:
@@ -71,8 +71,8 @@ def layer_spec(spec: dict, layer: int, heads: int, head_dim: int) -> kvcache.Lay
             kvcache.AffineCodec(bits, group, spec["key_axis"]), kvcache.AffineCodec(bits, group, spec["value_axis"]),
             group=group, residual=residual,
         )
-    levels, scale = _kvquant_tables(spec, layer, heads, head_dim)
-    key = kvcache.GridKeyCodec(bits, levels, scale, kvcache.outliers_per_vector(spec["outliers"], head_dim))
+    levels, lo, hi = _kvquant_tables(spec, layer, heads, head_dim)
+    key = kvcache.GridKeyCodec(bits, levels, lo, hi, kvcache.outliers_per_vector(spec["outliers"], head_dim))
     return kvcache.LayerSpec(
         key, kvcache.AffineCodec(bits, group, "token"), group=group, residual=residual, sink_tokens=spec["sink_tokens"], rope=True
     )
