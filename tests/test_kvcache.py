@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
 from kvlab.kernels import accounting, kvcache, quant
 from kvlab.methods import Variant, variants
-from kvlab.methods.quantized import layer_spec, layouts
+from kvlab.methods.quantized import layer_spec, layouts, quantized_cache
 
 H, D = 2, 16
 QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token",
@@ -240,29 +240,41 @@ def test_batched_quantized_rows_decode_as_if_alone(tiny, sample):
     assert q.layers[0].counts() == held  # the batch forked the rows
 
 
-def test_generate_runs_with_each_quantized_cache(tiny):
-    """Any decoder generates with the layers through transformers' own generate()."""
-    model, _ = tiny
-    ids = torch.randint(0, 250, (1, 50), generator=torch.Generator().manual_seed(0))
-    cfg = model.config
-    head_dim = cfg.head_dim
-    assert (cfg.num_key_value_heads, head_dim) == (H, D)
-    makers = {name: (lambda i, n=name: layer_spec(qspec(n), i, H, D)) for name in ("kivi", "int8", "fp8")}
-    makers["kvquant"] = lambda i: kvquant_spec(outliers=0.05, sink_tokens=1)  # RoPE tables come from the model
-    for name, make in makers.items():
-        cache = Cache(layers=[kvcache.QuantizedKVLayer(make(i)) for i in range(cfg.num_hidden_layers)])
+def tiny_decoder(architecture: str, **extra):
+    cfg = AutoConfig.for_model(
+        architecture, vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=H, head_dim=D, **extra,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+DECODERS = {
+    "qwen2": lambda: tiny_decoder("qwen2"),
+    "llama": lambda: tiny_decoder("llama"),
+    "gemma3": lambda: tiny_decoder("gemma3_text", sliding_window=32, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+@pytest.mark.parametrize("architecture", list(DECODERS))
+def test_generate_runs_with_each_quantized_cache(architecture):
+    """transformers' own generate() with kvlab's layers (sliding-window layers left as transformers' own)."""
+    model = DECODERS[architecture]()
+    ids = torch.randint(3, 250, (1, 50), generator=torch.Generator().manual_seed(0))
+    for name in ("kivi", "int8", "fp8"):
+        cache = quantized_cache(model, qspec(name))
         out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert out.shape[1] == 62
-        assert cache.layers[0].get_seq_length() == 61 and cache.layers[0].quantized > 0
+        quantized = [layer for layer in cache.layers if isinstance(layer, kvcache.QuantizedKVLayer)]
+        assert len(quantized) == (1 if architecture == "gemma3" else 2)
+        assert all(layer.get_seq_length() == 61 and layer.quantized > 0 for layer in quantized)
+    if architecture != "gemma3":  # pre-RoPE keys: the RoPE tables come from the model's attention via cache_kwargs
+        cache = Cache(layers=[kvcache.QuantizedKVLayer(kvquant_spec(outliers=0.05, sink_tokens=1)) for _ in range(2)])
+        assert model.generate(ids, past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape[1] == 54
 
 
 def test_sliding_layers_of_a_hybrid_model_are_left_alone():
-    cfg = AutoConfig.for_model(
-        "gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, sliding_window=32, layer_types=["sliding_attention", "full_attention"],
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).eval()
+    model = DECODERS["gemma3"]()
     base = prefill(model, list(range(3, 83)))
     cache = compress(model, base, variants({"k": qspec("kivi")}, [1.0])[0])
     assert cache.layers[0] is not base.cache.layers[0] and type(cache.layers[0]) is type(base.cache.layers[0])

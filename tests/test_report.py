@@ -9,7 +9,7 @@ import pytest
 
 import pandas as pd
 
-from kvlab.report.build import build, load_queries, quant_verdicts
+from kvlab.report.build import build, load_queries, pooled, quant_verdicts
 
 CHROMIUM = shutil.which("chromium")
 
@@ -93,9 +93,22 @@ def kl_rows(**kl) -> pd.DataFrame:
 
 
 def acc_rows(delta: float) -> pd.DataFrame:
-    return pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
-                          "value_axis": "token", "budget": 1.0, "accuracy": 0.9 + delta / 100, "full_accuracy": 0.9,
-                          "delta_points": delta, "rows": 40}])
+    """Pooled accuracy of a 4-bit KIVI method over two tasks of 20 answers, `delta` points from full."""
+    by_task = pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
+                             "value_axis": "token", "budget": 1.0, "task": task, "correct": 18 + delta / 100 * 20,
+                             "full_correct": 18, "rows": 20} for task in ("a", "b")])
+    return pooled(by_task)
+
+
+def test_pooled_accuracy_compares_methods_on_common_tasks():
+    rows = [("x", "a", 10, 10), ("x", "b", 0, 10), ("y", "a", 5, 10)]
+    by_task = pd.DataFrame([{"model": "m", "method": m, "scheme": "kivi", "bits": 2, "key_axis": "channel",
+                             "value_axis": "token", "budget": 1.0, "task": t, "correct": c, "full_correct": 10,
+                             "rows": n} for m, t, c, n in rows])
+    alone = pooled(by_task).set_index("method")
+    assert alone.loc["x", "accuracy"] == 0.5 and alone.loc["x", "tasks"] == "a, b"
+    common = pooled(by_task, common_tasks=True).set_index("method")
+    assert common.loc["x", "accuracy"] == 1.0 and common.loc["y", "delta_points"] == -50
 
 
 def verdicts(kl, acc) -> dict:

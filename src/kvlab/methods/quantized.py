@@ -93,6 +93,23 @@ def layouts(spec: dict, head_dim: int) -> tuple[TensorCodes, TensorCodes]:
     return TensorCodes(bits, "static", outliers=outliers), TensorCodes(bits, "token", group)
 
 
+def quantized_cache(model, spec: dict):
+    """An empty cache for `model.generate(past_key_values=...)` storing every full-attention layer as `spec`
+    (a `quant` method entry, e.g. ``{"kind": "quant", "scheme": "kivi", "bits": 4, "group": 32, "residual": 32,
+    "key_axis": "channel", "value_axis": "token"}``); sliding-window layers stay transformers' own."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    config = model.config.get_text_config()
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=model.config)
+    for idx, layer in enumerate(cache.layers):
+        if not isinstance(layer, DynamicSlidingWindowLayer):
+            cache.layers[idx] = kvcache.QuantizedKVLayer(layer_spec(spec, idx, heads, head_dim))
+    return cache
+
+
 def quantize_layers(cache, spec: dict, sliding: list[bool], captures) -> None:
     """Replace every full-attention layer of `cache` (a DynamicCache, after any eviction) by its quantized
     form. `captures` give the RoPE tables of the prefill positions (pre-RoPE key codecs)."""

@@ -70,15 +70,14 @@ GROUP BY ALL
 ORDER BY model, scheme, bits DESC, method, context_tokens;
 
 -- name: quant_accuracy
--- Quantized caches on every scored task and question mode, pooled: accuracy against the full cache on the
--- same samples (points), beside the eviction budget (1 = nothing evicted).
+-- Quantized caches per scored task (question modes and turns pooled): accuracy against the full cache on
+-- the same samples, beside the eviction budget (1 = nothing evicted). The report pools tasks further.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT model, method, scheme, bits, key_axis, value_axis, budget,
-       avg(score) AS accuracy, avg(full_score) AS full_accuracy,
-       100 * (avg(score) - avg(full_score)) AS delta_points, count(*) AS rows
+SELECT model, method, scheme, bits, key_axis, value_axis, budget, task,
+       sum(score) AS correct, sum(full_score) AS full_correct, count(*) AS rows
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE scheme IS NOT NULL
 GROUP BY ALL
