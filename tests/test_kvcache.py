@@ -18,7 +18,11 @@ QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value
 
 
 def qspec(scheme: str, **kw) -> dict:
-    return {"kind": "quant", "scheme": scheme, **QDEFAULTS, **kw}
+    """A quant method entry as the schema fills it (fp8 and int8 leave `residual` to its default, 0)."""
+    spec = {"kind": "quant", "scheme": scheme, **QDEFAULTS, **kw}
+    if scheme in ("fp8", "int8") and "residual" not in kw:
+        del spec["residual"]
+    return spec
 
 
 def random_kv(t: int, seed: int = 0):
@@ -102,6 +106,17 @@ def test_measured_bytes_equal_the_formula(name, t):
     dense = n["sink_tokens"] + n["residual_tokens"]
     assert layer.nbytes() == accounting.stored_layer_bytes(key, value, H, D, n["quantized_tokens"], dense, 4)
     assert sum(n.values()) == t == layer.get_seq_length()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_fp8_and_int8_quantize_every_token_unless_given_a_residual(scheme):
+    keys, values = random_kv(20)
+    every = kvcache.layer_from_dense(keys, values, layer_spec(qspec(scheme), 0, H, D))
+    assert every.counts() == {"sink_tokens": 0, "quantized_tokens": 20, "residual_tokens": 0}
+    every.update(*random_kv(1, seed=1))
+    assert every.counts()["quantized_tokens"] == 21  # a decoded token is stored quantized at once
+    window = kvcache.layer_from_dense(keys, values, layer_spec(qspec(scheme, residual=8), 0, H, D))
+    assert window.counts() == {"sink_tokens": 0, "quantized_tokens": 12, "residual_tokens": 8}
 
 
 def test_kivi_keeps_the_last_residual_tokens_exact_and_quantizes_whole_groups():
@@ -237,6 +252,8 @@ def test_batched_quantized_rows_decode_as_if_alone(tiny, sample):
     alone = Batch(model, [q]).forward(tail, base.length, logits_to_keep=tail.shape[1])
     together = Batch(model, [full, q]).forward(tail.expand(2, -1), base.length, logits_to_keep=tail.shape[1])
     torch.testing.assert_close(together[1], alone[0], rtol=1e-4, atol=1e-4)
+    dense = Batch(model, [full]).forward(tail, base.length, logits_to_keep=tail.shape[1])
+    torch.testing.assert_close(together[0], dense[0], rtol=1e-5, atol=1e-5)  # dense rows unchanged by the mix
     assert q.layers[0].counts() == held  # the batch forked the rows
 
 

@@ -31,6 +31,11 @@ SCHEMES = {
 }
 
 
+def residual(spec: dict) -> int:
+    """R, the newest tokens kept in full precision: as configured, else 32 for kivi/kvquant and 0 for fp8/int8."""
+    return spec.get("residual", 0 if spec["scheme"] in ("fp8", "int8") else 32)
+
+
 def needs_calibration(spec: dict) -> bool:
     return spec["kind"] == "quant" and (spec["scheme"] == "kvquant" or (spec["scheme"] == "fp8" and spec["scales"] == "calibrated"))
 
@@ -59,22 +64,22 @@ def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[
 
 def layer_spec(spec: dict, layer: int, heads: int, head_dim: int) -> kvcache.LayerSpec:
     """The storage of one full-attention layer under a `quant` method."""
-    scheme, bits, group, residual = spec["scheme"], spec["bits"], spec["group"], spec["residual"]
+    scheme, bits, group, r = spec["scheme"], spec["bits"], spec["group"], residual(spec)
     if scheme == "fp8":
         scales = (lambda t: _fp8_scales(spec, layer, t)) if spec["scales"] == "calibrated" else (lambda t: None)
-        return kvcache.LayerSpec(kvcache.FP8Codec(scales("key")), kvcache.FP8Codec(scales("value")), group=1, residual=0)
+        return kvcache.LayerSpec(kvcache.FP8Codec(scales("key")), kvcache.FP8Codec(scales("value")), group=1, residual=r)
     if scheme == "int8":
         codec = kvcache.AffineCodec(8, head_dim, "token")
-        return kvcache.LayerSpec(codec, codec, group=1, residual=0)
+        return kvcache.LayerSpec(codec, codec, group=1, residual=r)
     if scheme == "kivi":
         return kvcache.LayerSpec(
             kvcache.AffineCodec(bits, group, spec["key_axis"]), kvcache.AffineCodec(bits, group, spec["value_axis"]),
-            group=group, residual=residual,
+            group=group, residual=r,
         )
     levels, lo, hi = _kvquant_tables(spec, layer, heads, head_dim)
     key = kvcache.GridKeyCodec(bits, levels, lo, hi, kvcache.outliers_per_vector(spec["outliers"], head_dim))
     return kvcache.LayerSpec(
-        key, kvcache.AffineCodec(bits, group, "token"), group=group, residual=residual, sink_tokens=spec["sink_tokens"], rope=True
+        key, kvcache.AffineCodec(bits, group, "token"), group=group, residual=r, sink_tokens=spec["sink_tokens"], rope=True
     )
 
 
