@@ -259,8 +259,8 @@ def quant_section(kl: pd.DataFrame, by_task: pd.DataFrame) -> str:
     return (
         "<p>Packed codes inside generation: prefill attention is exact, then each full-attention layer keeps "
         "codes + metadata + a full-precision residual (KIVI: the newest R tokens; a key group is quantized once, "
-        "when its G tokens are complete). FP8 and INT8 keep no residual: every token, decoded ones included, is "
-        "stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
+        "when its G tokens are complete). FP8 and INT8 keep no residual unless one is configured: every token, "
+        "decoded ones included, is stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
         "time, so every token attends to the cache as it is stored. Sliding-window layers (Gemma 3) are never "
         "quantized.</p>"
         f"<ul>{items}</ul>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
@@ -368,7 +368,9 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             "Decode throughput",
             "<p>Greedy decoding at batch 1 after each method's compression (EOS ignored, so every method decodes "
             "the same number of steps). On a CPU with a small model, reading the weights dominates each step; "
-            "fewer cached tokens matter more at long contexts and on accelerators.</p>" + table(q["throughput"]),
+            "fewer cached tokens matter more at long contexts and on accelerators. Quantized caches dequantize "
+            "their codes at every step here (plain torch on the CPU, no fused kernel), so they decode slower than "
+            "the full cache; their speed claim needs a kernel that reads the packed codes directly.</p>" + table(q["throughput"]),
             queries["throughput"],
         ),
         section(
