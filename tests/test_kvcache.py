@@ -290,6 +290,22 @@ def test_generate_runs_with_each_quantized_cache(architecture):
         assert model.generate(ids, past_key_values=cache, max_new_tokens=4, min_new_tokens=4, do_sample=False).shape[1] == 54
 
 
+def test_hybrid_model_rows_decode_as_if_alone():
+    """Gemma-style sliding layers (equal in every row) batch with a quantized full layer: each row's logits
+    equal the ones it gives alone, and the sliding layers hold no padding."""
+    model = DECODERS["gemma3"]()
+    base = prefill(model, list(range(3, 83)))
+    q = compress(model, base, variants({"k": qspec("kivi")}, [1.0])[0])
+    full = compress(model, base, Variant("full", "full", 1.0))
+    tail = torch.tensor([[90, 91, 92, 93]])
+    alone = [Batch(model, [c]).forward(tail, base.length, logits_to_keep=4)[0] for c in (full, q)]
+    batch = Batch(model, [full, q])
+    together = batch.forward(tail.expand(2, -1), base.length, logits_to_keep=4)
+    torch.testing.assert_close(together[0], alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(together[1], alone[1], rtol=1e-4, atol=1e-4)
+    assert batch.cache.layers[0].keys.shape[-2] < 32  # within the sliding window: no padding
+
+
 def test_sliding_layers_of_a_hybrid_model_are_left_alone():
     model = DECODERS["gemma3"]()
     base = prefill(model, list(range(3, 83)))

@@ -166,6 +166,11 @@ def shallow_copy(cache: DynamicCache) -> DynamicCache:
     return out
 
 
+def held_tokens(layer) -> int:
+    """Tokens a cache layer holds now (a sliding-window layer's get_seq_length counts every token it saw)."""
+    return layer.get_seq_length() if kvcache.is_quantized(layer) else layer.keys.shape[-2]
+
+
 def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     """What the cache really holds after compressing a `context`-token prefill: bytes of the stored tensors
     (not the requested ratio), the accounting formula's bytes for what is held, and the compression against
@@ -174,7 +179,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
     tokens = []
     for layer in cache.layers:
-        held = layer.get_seq_length()
+        held = held_tokens(layer)
         tokens.append(held)
         measured = kvcache.layer_nbytes(layer)
         nbytes += measured
@@ -250,7 +255,7 @@ class Batch:
         self.padded: list[int] = []
         for idx, layer in enumerate(self.cache.layers):
             rows = [c.layers[idx] for c in caches]
-            n = [r.get_seq_length() for r in rows]
+            n = [held_tokens(r) for r in rows]
             width = max(n)
             if any(kvcache.is_quantized(r) for r in rows):
                 self.cache.layers[idx] = Rows(rows, width)

@@ -1,0 +1,29 @@
+"""H2O in the engine: a prefilled cache → one `kvlab.kernels.h2o.H2OLayer` per full-attention layer.
+
+Config: ``{kind: h2o, recent: 0.5}`` — `recent` is the share of the kept tokens reserved for the newest
+ones (the paper splits the budget evenly between heavy hitters and recent tokens); the budget comes from
+`budgets`. Prefill scores are the attention each prompt token received from every later prompt token,
+computed from the captured attention inputs; decoding adds each new query's attention and evicts per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.kernels.h2o import H2OLayer, received_attention
+
+
+@torch.no_grad()
+def h2o_layers(model, cache, captures, budget: float, recent: float, sliding: list[bool], modules) -> None:
+    """Replace every full-attention layer of `cache` (a full prefill) by an H2O layer at `budget`."""
+    from kvlab.engine import queries
+
+    for idx, layer in enumerate(cache.layers):
+        if sliding[idx]:
+            continue
+        module, cap = modules[idx], captures[idx]
+        t = layer.keys.shape[-2]
+        capacity = max(1, int(t * budget))  # as kvpress counts kept tokens
+        q = queries(module, cap.hidden_states, cap.cos, cap.sin)
+        scores = received_attention(q, layer.keys, module.scaling)
+        cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)
