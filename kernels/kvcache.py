@@ -317,7 +317,7 @@ def is_quantized(layer) -> bool:
 
 def fork_layer(layer):
     """A copy of a cache layer that can be updated without touching the original."""
-    return layer.fork() if isinstance(layer, QuantizedKVLayer) else copy.copy(layer)
+    return layer.fork() if hasattr(layer, "fork") else copy.copy(layer)
 
 
 def outliers_per_vector(fraction: float, head_dim: int) -> int:

@@ -10,6 +10,7 @@ import yaml
 
 from conftest import snakemake
 from kvlab.config import CALIBRATION_TABLES, resolve
+from kvlab.methods import evicts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ def expected_samples(spec: dict) -> int:
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     con = duckdb.connect(str(smoke_run / "results" / "kvlab.duckdb"), read_only=True)
     config = smoke_config()
-    per_method = {name: len(config["budgets"]) if "press" in m else 1 for name, m in config["methods"].items()}
+    per_method = {name: len(config["budgets"]) if evicts(m) else 1 for name, m in config["methods"].items()}
     n_variants = sum(per_method.values())
     n_presses = sum(n for name, n in per_method.items() if config["methods"][name]["kind"] in ("full", "kvpress"))
     assert any("tasks" in m for m in config["methods"].values())  # the smoke preset exercises the task filter

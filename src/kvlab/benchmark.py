@@ -44,7 +44,7 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
         raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; benchmark.samples asks {samples}")
     if any(not s.prompt.text[1] for s in chosen):
         raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
-    grid = [v for v in variants(run["methods"], run["budgets"], task) if not v.quantized]  # the pipeline runs presses only
+    grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress")]  # the pipeline runs presses only
     modes = run["question_modes"]
     max_new = task_spec.get("max_new_tokens", run["max_new_tokens"])
 

@@ -33,8 +33,9 @@ import torch
 
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.corpus import kjv_sentences, prose_ids
-from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding
+from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding, project
 from kvlab.io import write_parquet
+from kvlab.kernels.kvcache import rotate
 from kvlab.models.card import read_card
 
 log = logging.getLogger(__name__)
@@ -52,23 +53,9 @@ def calibration_sequences(tokenizer, sequences: int, tokens: int, seed: int) -> 
     return [prose_ids(tokenizer, pool, rng.randrange(len(pool)), tokens, bos)[:tokens] for _ in range(sequences)]
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, H, T, d) rotated by the (B, T, d) tables (the half-split convention of Llama/Qwen/Gemma)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
-
-
-def project(module, hidden: torch.Tensor, which: str) -> torch.Tensor:
-    """Pre-RoPE queries or keys (B, H, T, d) of one attention layer from its input hidden states."""
-    proj = getattr(module, f"{which}_proj")
-    head_dim = module.head_dim
-    x = proj(hidden).view(hidden.shape[0], hidden.shape[1], -1, head_dim).transpose(1, 2)
-    norm = getattr(module, f"{which}_norm", None)  # Gemma 3 normalizes q and k before RoPE
-    return norm(x) if norm is not None else x
+    return rotate(x, cos[:, None], sin[:, None])
 
 
 @torch.no_grad()

@@ -27,7 +27,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
 from kvlab.kernels import accounting, kvcache
+from kvlab.kernels.h2o import H2OLayer
 from kvlab.methods import Variant
+from kvlab.methods.h2o import h2o_layers
 from kvlab.methods.quantized import layouts, quantize_layers
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
@@ -153,6 +155,9 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 "cache_position": cache_position,
             }
             layer.keys, layer.values = press.compress(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
+    if variant.kind == "h2o":
+        sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
+        h2o_layers(model, cache, base.captures, variant.budget, variant.params["recent"], sliding, attention_layers(model))
     if variant.quantized:
         quantize_layers(cache, {"kind": variant.kind, **variant.params}, [is_sliding(model, i) for i in range(len(cache.layers))], base.captures)
     return cache
@@ -210,37 +215,52 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     }
 
 
-class Rows(DynamicLayer):
-    """One batched cache layer over per-row layers of any kind (e.g. quantized ones, which cannot be
-    concatenated): each row's own layer is updated with its slice of the new tokens and its full-precision
-    view is laid out like the dense batch — its stored entries left-aligned and padded to `width`, the fed tail
-    after — so Batch's masks apply unchanged. Rows are forked first; the original caches are never touched."""
+def own_layout(layer) -> bool:
+    """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O)."""
+    return kvcache.is_quantized(layer) or isinstance(layer, H2OLayer)
 
-    def __init__(self, rows: list, width: int):
+
+class Rows(DynamicLayer):
+    """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
+    concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
+    slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the
+    padding and keeps the new tokens causal. Rows are forked first; the original caches are never touched."""
+
+    def __init__(self, rows: list):
         super().__init__()
         self.rows = [kvcache.fork_layer(r) for r in rows]
-        self.lengths = [r.get_seq_length() for r in rows]
-        self.width, self.fed = width, 0
         self.is_initialized = True
+        self.wants_query = any(getattr(r, "wants_query", False) for r in rows)
+        self.pending_query: torch.Tensor | None = None  # (B, Hq, n, D), handed to the rows that score attention
+
+    def held(self) -> list[int]:
+        return [r.get_seq_length() for r in self.rows]
+
+    def mask(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1."""
+        held = torch.tensor(self.held(), device=device)
+        j = torch.arange(int(held.max()) + n, device=device)
+        allowed = j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
-        keys = key_states.new_zeros(b, h, self.width + self.fed + n, d)
+        keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
         values = torch.zeros_like(keys)
-        for i, (row, held) in enumerate(zip(self.rows, self.lengths)):
+        for i, row in enumerate(self.rows):
             kw = cache_kwargs and {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            if getattr(row, "wants_query", False):
+                row.pending_query = self.pending_query[i : i + 1]
             k, v = row.update(key_states[i : i + 1], value_states[i : i + 1], kw)
-            keys[i, :, :held], keys[i, :, self.width :] = k[0, :, :held], k[0, :, held:]
-            values[i, :, :held], values[i, :, self.width :] = v[0, :, :held], v[0, :, held:]
-        self.fed += n
+            keys[i, :, : k.shape[-2]], values[i, :, : v.shape[-2]] = k[0], v[0]
+        self.pending_query = None
         return keys, values
 
     def get_seq_length(self) -> int:
-        return self.width + self.fed
+        return max(self.held())
 
     def keep(self, rows: list[int]) -> None:
         self.rows = [self.rows[i] for i in rows]
-        self.lengths = [self.lengths[i] for i in rows]
 
 
 class Batch:
@@ -257,8 +277,8 @@ class Batch:
             rows = [c.layers[idx] for c in caches]
             n = [held_tokens(r) for r in rows]
             width = max(n)
-            if any(kvcache.is_quantized(r) for r in rows):
-                self.cache.layers[idx] = Rows(rows, width)
+            if any(own_layout(r) for r in rows):
+                self.cache.layers[idx] = Rows(rows)
             else:
                 layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
                 layer.values = torch.cat([_pad(r.values, width) for r in rows])
@@ -301,7 +321,10 @@ class Batch:
         """Feed `ids` (B, n) at original positions start…; return the last `logits_to_keep` logits."""
         model, n = self.model, ids.shape[1]
         pos = torch.arange(start, start + n, device=ids.device).expand(ids.shape[0], n)
-        masks = {idx: self.full_mask(idx, n, model.dtype) for idx in range(len(self.padded)) if not is_sliding(model, idx)}
+        masks = {
+            idx: layer.mask(n, model.dtype, ids.device) if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
+            for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
+        }
         layer_masks = {"full_attention": None}
         if len(masks) < len(self.padded):
             config = model.config.get_text_config()
@@ -310,7 +333,7 @@ class Batch:
                 config=config, inputs_embeds=embeds, attention_mask=None, cache_position=pos[0],
                 past_key_values=self.cache, position_ids=None,
             )
-        with per_layer_masks(model, masks):
+        with per_layer_masks(model, masks), query_hooks(model, self.cache):
             out = model(
                 input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
                 use_cache=True, logits_to_keep=logits_to_keep,
@@ -321,6 +344,42 @@ class Batch:
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))
+
+
+def project(module, hidden: torch.Tensor, which: str) -> torch.Tensor:
+    """Pre-RoPE queries or keys (B, H, T, d) of one attention layer from its input hidden states."""
+    proj = getattr(module, f"{which}_proj")
+    x = proj(hidden).view(hidden.shape[0], hidden.shape[1], -1, module.head_dim).transpose(1, 2)
+    norm = getattr(module, f"{which}_norm", None)  # Gemma 3 normalizes q and k before RoPE
+    return norm(x) if norm is not None else x
+
+
+def queries(module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The attention's post-RoPE queries (B, Hq, T, d), recomputed from its input (for attention scores)."""
+    return kvcache.rotate(project(module, hidden, "q"), cos[:, None], sin[:, None])
+
+
+@contextmanager
+def query_hooks(model, cache):
+    """Hand each attention layer's queries to its cache layer before the update, where the layer scores
+    attention itself (H2O), so the model keeps its fast attention that returns no weights."""
+    handles = []
+
+    def hook_for(layer):
+        def hook(module, args, kwargs):
+            cos, sin = kwargs["position_embeddings"]
+            layer.pending_query = queries(module, kwargs["hidden_states"], cos, sin)
+        return hook
+
+    try:
+        for idx, module in enumerate(attention_layers(model)):
+            layer = cache.layers[idx]
+            if getattr(layer, "wants_query", False):
+                handles.append(module.register_forward_pre_hook(hook_for(layer), with_kwargs=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextmanager
@@ -392,7 +451,7 @@ def teacher_forced(model, caches: list[DynamicCache], tail: list[int], path: lis
     (quantized once they leave the residual window)."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
-    quantized = [any(kvcache.is_quantized(layer) for layer in c.layers) for c in caches]
+    quantized = [any(own_layout(layer) for layer in c.layers) for c in caches]
     out = None
     for group in ([i for i, q in enumerate(quantized) if not q], [i for i, q in enumerate(quantized) if q]):
         if not group:

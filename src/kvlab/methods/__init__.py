@@ -1,8 +1,9 @@
 """Methods by name: config entries become variants (a method at one budget) the engine can apply.
 
-Kinds: ``full`` (no compression, the reference), ``kvpress`` (any press class of kvpress by name), and the
-quantized caches ``quant`` / ``hf_quantized`` (``kvlab.methods.quantized``; ``quant`` composes with a press).
-A method with a press runs at every budget; one without runs once, at budget 1.0.
+Kinds: ``full`` (no compression, the reference), ``kvpress`` (any press class of kvpress by name), ``h2o``
+(``kvlab.methods.h2o``: H2O as published, scoring at every decoding step) and the quantized caches ``quant`` /
+``hf_quantized`` (``kvlab.methods.quantized``; ``quant`` composes with a press). A method that evicts runs at
+every budget; one that does not runs once, at budget 1.0.
 """
 
 from __future__ import annotations
@@ -21,8 +22,12 @@ class Variant:
     params: dict = field(default_factory=dict)
 
     @property
+    def evicts(self) -> bool:
+        return evicts({"kind": self.kind, **self.params})
+
+    @property
     def label(self) -> str:
-        return f"{self.method}@{self.budget:g}" if "press" in self.params else self.method
+        return f"{self.method}@{self.budget:g}" if self.evicts else self.method
 
     @property
     def quantized(self) -> bool:
@@ -86,6 +91,14 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     return out
 
 
+EVICTING_KINDS = ("h2o",)  # kinds that evict by themselves (besides any method with a kvpress press)
+
+
+def evicts(spec: dict) -> bool:
+    """Whether a method entry keeps a fraction of the context (and so runs at every budget)."""
+    return "press" in spec or spec["kind"] in EVICTING_KINDS
+
+
 def variants(methods: dict, budgets: list[float], task: str | None = None) -> list[Variant]:
     """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0); with `task`,
     only the methods that run on it (a method's optional `tasks` list)."""
@@ -94,7 +107,7 @@ def variants(methods: dict, budgets: list[float], task: str | None = None) -> li
         if task is not None and task not in spec.get("tasks", [task]):
             continue
         params = {k: v for k, v in spec.items() if k not in ("kind", "tasks")}
-        if "press" in spec:
+        if evicts(spec):
             out.extend(Variant(name, spec["kind"], float(b), params) for b in budgets)
         else:
             out.append(Variant(name, spec["kind"], 1.0, params))
