@@ -49,12 +49,18 @@ def check_bits(bits: int) -> None:
 # --------------------------------------------------------------------------- #
 
 
+def check_length(length: int, bits: int) -> None:
+    """Rows are packed whole: their length must fill whole bytes."""
+    per = 8 // bits
+    if length % per:
+        raise ValueError(f"pack: row length {length} is not a multiple of {per} ({bits}-bit codes per byte)")
+
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """(N, L) integer codes < 2^bits → (N, L * bits / 8) uint8."""
     per = 8 // bits
     n, length = codes.shape
-    if length % per:
-        raise ValueError(f"pack: row length {length} is not a multiple of {per} ({bits}-bit codes per byte)")
+    check_length(length, bits)
     c = codes.to(torch.int32).view(n, length // per, per)
     shifts = torch.arange(per, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)

@@ -29,12 +29,6 @@ def _launch(kernel, n: int, length: int, *tensors: torch.Tensor, **constexprs) -
         kernel[grid](*tensors, n, length, **constexprs, BLOCK_N=block_n, BLOCK_L=block_l, enable_fp_fusion=False)
 
 
-def _check_length(length: int, bits: int) -> None:
-    per = 8 // bits
-    if length % per:
-        raise ValueError(f"pack: row length {length} is not a multiple of {per} ({bits}-bit codes per byte)")
-
-
 @triton.jit
 def _tile(N, L, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
     """Row indices (BLOCK_N, 1), byte indices (1, BLOCK_L // per) and the mask of this program's packed tile."""
@@ -166,7 +160,7 @@ def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
             f"zero points can describe (|x| ≤ {quant.FP16_MAX / 2:g})"
         )
     n, length = rows.shape
-    _check_length(length, bits)
+    quant.check_length(length, bits)
     packed = torch.empty(n, length * bits // 8, dtype=torch.uint8, device=rows.device)
     scale = torch.empty(n, dtype=torch.float16, device=rows.device)
     zero = torch.empty_like(scale)
@@ -205,7 +199,7 @@ def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.
     if bool((levels[1:] < levels[:-1]).any()):
         raise ValueError("grid quantization: levels must be sorted ascending")
     n, length = rows.shape
-    _check_length(length, bits)
+    quant.check_length(length, bits)
     packed = torch.empty(n, length * bits // 8, dtype=torch.uint8, device=rows.device)
     _launch(_grid_quantize_kernel, n, length, rows.contiguous(), levels.contiguous(), packed, BITS=bits)
     return packed
