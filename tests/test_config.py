@@ -26,7 +26,7 @@ def test_default_config_is_valid_and_defaults_filled(config):
     assert out["budgets"] == [0.5, 0.25, 0.1]
     assert out["max_new_tokens"] == 16
     assert out["models"]["qwen2.5-0.5b"]["dtype"] == "float32"
-    assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 64, "kernel_size": 5}
+    assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 32, "kernel_size": 5}
     assert out["tasks"]["niah_prose"] == {
         "kind": "niah", "haystack": "prose", "context_tokens": [1024], "depths": [0.5], "samples": 2, "seed": 0,
         "keys": 1, "values": 1, "queries": 1, "question_position": "after",
@@ -77,10 +77,14 @@ DELETE = object()
 BAD = [
     (("budgets",), [1.5], "config: key 'budgets[0]': 1.5 must be <= 1"),
     (("budgets",), [0], "config: key 'budgets[0]': 0 must be > 0"),
-    (("question_modes",), ["sometimes"], "config: key 'question_modes[0]': 'sometimes' is not allowed; allowed: agnostic, aware"),
+    (("question_modes",), ["sometimes"], "config: key 'question_modes[0]': 'sometimes' is not allowed; allowed: agnostic, aware, multi_turn"),
     (("device",), "tpu", "config: key 'device': 'tpu' is not allowed; allowed: cpu, cuda"),
     (("max_new_tokens",), "many", "config: key 'max_new_tokens': expected integer, got str 'many'"),
-    (("methods", "snapkv", "kwarg"), {}, "config: unknown key 'kwarg' under 'methods.snapkv'; allowed: kind, kwargs, press, tasks"),
+    (("methods", "snapkv", "kwarg"), {}, "config: unknown key 'kwarg' under 'methods.snapkv'; allowed: kind, kwargs, press, tasks, wrapper, wrapper_kwargs"),
+    (("methods", "snapkv", "wrapper"), "MergePress", "preset 'default': key 'methods.snapkv.wrapper': kvpress has no press 'MergePress'; wrappers: KeyRerotationPress, MergingPress"),
+    (("methods", "snapkv", "wrapper_kwargs"), {"similarity_threshold": 0.5}, "preset 'default': key 'methods.snapkv.wrapper_kwargs': needs a `wrapper` press to configure"),
+    (("methods", "snapkv_merge", "wrapper_kwargs"), {"press": "X"}, "key 'methods.snapkv_merge.wrapper_kwargs.press': the wrapped press is `press`; remove it here"),
+    (("methods", "kivi4", "wrapper"), "MergingPress", "preset 'default': key 'methods.kivi4.wrapper': wraps a press; add `press` (e.g. SnapKVPress)"),
     (("methods", "kivi4", "scheme"), "kivi9", "config: key 'methods.kivi4.scheme': 'kivi9' is not allowed; allowed: fp8, int8, kivi, kvquant"),
     (("methods", "kivi4", "bits"), 3, "config: key 'methods.kivi4.bits': 3 is not allowed; allowed: 2, 4, 8"),
     (("methods", "kvquant4", "bits"), 8, "preset 'default': key 'methods.kvquant4.bits': kvquant uses the calibrated 2- or 4-bit grid, got 8"),

@@ -45,6 +45,24 @@ def test_posthoc_compress_equals_kvpress_hooks(tiny, sample, press, kwargs, budg
         torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("press,kwargs,wrapper", [
+    ("StreamingLLMPress", {"n_sink": 4}, "KeyRerotationPress"),
+    ("SnapKVPress", {"window_size": 16}, "MergingPress"),
+])
+def test_wrapped_presses_equal_kvpress_hooks(tiny, sample, press, kwargs, wrapper):
+    """A press inside a kvpress wrapper (re-rotation, merging) compresses as kvpress's own hooks do."""
+    model, _ = tiny
+    ids = sample.prompt.context + sample.prompt.question
+    variant = Variant(press, "kvpress", 0.25, {"press": press, "kwargs": kwargs, "wrapper": wrapper})
+    ours = compress(model, prefill(model, ids), variant)
+    theirs = hook_compressed(model, variant.make_press(), ids)
+    plain = compress(model, prefill(model, ids), Variant(press, "kvpress", 0.25, {"press": press, "kwargs": kwargs}))
+    for a, b, c in zip(ours.layers, theirs.layers, plain.layers):
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=0)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=0)
+        assert not (torch.equal(a.keys, c.keys) and torch.equal(a.values, c.values))  # the wrapper changed something
+
+
 def test_chunked_prefill_continues_the_same_cache(tiny, sample):
     model, _ = tiny
     p = sample.prompt
@@ -181,3 +199,156 @@ def test_gqa_attention_equals_transformers_sdpa(tiny, with_mask):
     ours, _ = sdpa_gqa(module, q, k, v, mask, scaling=0.25)
     theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_multi_turn_mode_asks_a_later_question_on_the_aware_cache(tiny):
+    """multi_turn rows are the later turns decoded on the cache compressed together with the first question;
+    aware rows are that question's own turn; agnostic rows every turn on the context-only cache."""
+    model, tokenizer = tiny
+    spec = {"kind": "multi_turn", "depths": [0.4], "samples": 1, "seed": 2}
+    (sample,) = GENERATORS["multi_turn"]("mt", spec, tokenizer, 600)
+    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.25])
+    rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware", "multi_turn"], 6)
+    assert sorted({(r["question_mode"], r["turn"]) for r in rows}) == [("agnostic", 1), ("agnostic", 2), ("aware", 1), ("multi_turn", 2)]
+    p = sample.prompt
+    aware = prefill(model, p.question, past=prefill(model, p.context))
+    caches = [compress(model, aware, v) for v in grid]
+    second = p.suffix + p.followups[0].ids
+    expected = greedy_decode(model, caches, second, aware.length, 6)
+    got = [r["prediction"] for r in rows if r["question_mode"] == "multi_turn"]
+    assert got == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    alone = evaluate_sample(model, tokenizer, sample, grid, ["multi_turn"], 6)
+    assert [r["prediction"] for r in alone] == got and {r["compressed_tokens"] for r in alone} == {aware.length}
+    (niah,) = GENERATORS["niah"]("n", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, 600)
+    assert evaluate_sample(model, tokenizer, niah, grid, ["multi_turn"], 4) == []  # no later turn to ask
+
+
+def test_rerotated_rows_decode_from_the_kept_length(tiny, sample):
+    """KeyRerotationPress re-rotates kept keys to positions 0…n-1; the batch then feeds the question at n…
+    (as kvpress's pipeline does), which equals decoding kvpress's hook-compressed cache by hand from n."""
+    model, _ = tiny
+    p = sample.prompt
+    spec = {**STREAM, "wrapper": "KeyRerotationPress"}
+    variant = Variant("stream_rerot", "kvpress", 0.25, spec)
+    assert variant.rerotates
+    base = prefill(model, p.context)
+    ours = compress(model, base, variant)
+    n = int(base.length * 0.25)
+    assert ours.position_shift == n - base.length
+    full = compress(model, base, Variant("full", "full", 1.0))
+    tail = p.question + p.suffix
+    (mine, _) = greedy_decode(model, [ours, full], tail, base.length, 6)
+    cache = hook_compressed(model, variant.make_press(), p.context)
+    x, pos, ref = torch.tensor([tail]), n, []
+    with torch.no_grad():
+        for _ in range(len(mine)):
+            logits = model(input_ids=x, past_key_values=cache, position_ids=torch.arange(pos, pos + x.shape[1])[None]).logits
+            pos += x.shape[1]
+            ref.append(int(logits[0, -1].argmax()))
+            x = torch.tensor([[ref[-1]]])
+    assert mine == ref
+    unrotated = compress(model, base, Variant("stream", "kvpress", 0.25, STREAM))
+    assert not torch.allclose(unrotated.layers[0].keys, ours.layers[0].keys)  # the rotation really changed keys
+
+
+def test_masking_press_frees_nothing_and_hides_per_head(tiny, sample):
+    """AdaKV masks keys per head instead of evicting: every token stays stored (bytes of the full cache), the
+    kept count per (layer, KV head) varies but sums to the budget, and decoding equals kvpress's own
+    patched attention on its hook-compressed cache."""
+    model, _ = tiny
+    p = sample.prompt
+    spec = {**SNAP, "wrapper": "AdaKVPress"}
+    variant = Variant("ada", "kvpress", 0.25, spec)
+    base = prefill(model, p.context)
+    ours = compress(model, base, variant)
+    full = compress(model, base, Variant("full", "full", 1.0))
+    stats, full_stats = cache_stats(ours, variant, base.length), cache_stats(full, Variant("full", "full", 1.0), base.length)
+    assert stats["kv_bytes"] == full_stats["kv_bytes"] and stats["kv_tokens_mean"] == base.length
+    heads = model.config.num_key_value_heads
+    kept = stats["kv_kept_heads"]
+    assert len(kept) == model.config.num_hidden_layers * heads
+    for layer in range(model.config.num_hidden_layers):
+        assert sum(kept[layer * heads : (layer + 1) * heads]) == heads * int(base.length * 0.25)
+    assert stats["kv_kept_mean"] == int(base.length * 0.25) and len(set(kept)) > 1
+    tail = torch.tensor([p.question + p.suffix])
+    mine = Batch(model, [ours, full]).forward(tail.expand(2, -1), base.length)[0, -1]
+    # kvpress's path: hooks during an sdpa prefill, then its patched attention hides the masked keys
+    model.config._attn_implementation = "sdpa"
+    try:
+        cache = hook_compressed(model, variant.make_press(), p.context)
+        with torch.no_grad():  # one token at a time: kvpress's fake key must cancel every query it serves
+            for i in range(tail.shape[1]):
+                ref = model(input_ids=tail[:, i : i + 1], past_key_values=cache, position_ids=torch.tensor([[base.length + i]])).logits[0, -1]
+    finally:
+        model.config._attn_implementation = "kvlab_sdpa_gqa"
+        for module in model.model.layers:
+            module.self_attn.masked_key_indices = None
+    torch.testing.assert_close(mine, ref, rtol=1e-4, atol=1e-4)
+    dense = Batch(model, [full]).forward(tail, base.length)[0, -1]
+    assert not torch.allclose(mine, dense, atol=1e-3)  # the mask really hid entries
+
+
+def test_masking_press_refuses_quantization(tiny, sample):
+    model, _ = tiny
+    spec = {"press": "SnapKVPress", "kwargs": {"window_size": 16}, "wrapper": "AdaKVPress", "scheme": "int8", "bits": 8,
+            "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"}
+    with pytest.raises(ValueError, match="masks keys instead of evicting"):
+        compress(model, prefill(model, sample.prompt.context), Variant("ada_int8", "quant", 0.25, spec))
+
+
+def configured_eviction_methods() -> dict:
+    """Every evicting method of config.yaml's presets that needs no calibration table, by preset/name."""
+    import yaml
+
+    from kvlab.config import resolve
+    from kvlab.methods import evicts, uses_calibration
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    raw = yaml.safe_load((root / "config.yaml").read_text())
+    out = {}
+    for preset in ("default", "smoke"):
+        config = resolve({**raw, "preset": preset}, root / "workflow" / "config.schema.yaml")
+        for name, spec in config["methods"].items():
+            if evicts(spec) and not uses_calibration({name: spec}):
+                out[f"{preset}/{name}"] = spec
+    return out
+
+
+@pytest.mark.parametrize("name,spec", configured_eviction_methods().items())
+def test_every_configured_eviction_method_keeps_its_budget_and_window(tiny, sample, name, spec):
+    """On the tiny model, at each budget: every (layer, KV head) keeps at least one token; the kept count is
+    the budget's (per layer, or in total for PyramidKV's per-layer split and AdaKV's per-head split); the
+    observation window (SnapKV family) or the sinks and recent tokens (StreamingLLM) are never evicted."""
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context + p.question)
+    t, layers = base.length, model.config.num_hidden_layers
+    full = base.cache.layers
+    for budget in (0.5, 0.25, 0.1):
+        variant = Variant(name, spec["kind"], budget, {k: v for k, v in spec.items() if k not in ("kind", "tasks")})
+        cache = compress(model, base, variant)
+        stats = cache_stats(cache, variant, t)
+        assert stats["kv_kept_min"] >= 1
+        n = max(1, int(t * budget))
+        kept = stats["kv_kept_heads"]
+        heads = len(kept) // layers
+        if spec.get("press") == "PyramidKVPress" or spec.get("wrapper") == "AdaKVPress":
+            assert abs(sum(kept) - layers * heads * n) <= layers * heads  # rounding of the per-layer split
+        else:
+            assert kept == [n] * len(kept)
+        if spec["kind"] != "kvpress" or spec.get("wrapper") in ("KeyRerotationPress", "AdaKVPress"):
+            continue  # re-rotated keys differ from the prefill's; masked ones are all still stored
+        window = spec["kwargs"].get("window_size")
+        sinks = spec["kwargs"].get("n_sink")
+        for ours, ref in zip(cache.layers, full):
+            held = ours.keys.shape[-2]
+            if window is not None:
+                assert kept_rows(ours.keys, ref.keys[..., t - min(window, held) :, :])
+            if sinks is not None:  # presses keep top-k, not in order: compare as sets of key vectors per head
+                assert kept_rows(ours.keys, ref.keys[..., :sinks, :])
+                assert kept_rows(ours.keys, ref.keys[..., t - (held - sinks) :, :])
+
+
+def kept_rows(keys: torch.Tensor, wanted: torch.Tensor) -> bool:
+    """Whether every key vector of `wanted` (1, H, w, D) is among `keys` (1, H, n, D), head by head."""
+    return bool((keys[..., None, :, :] == wanted[..., :, None, :]).all(-1).any(-1).all())

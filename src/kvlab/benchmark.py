@@ -44,8 +44,8 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
         raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; benchmark.samples asks {samples}")
     if any(not s.prompt.text[1] for s in chosen):
         raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
-    grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress")]  # the pipeline runs presses only
-    modes = run["question_modes"]
+    grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress") and "wrapper" not in v.params]  # plain presses: what the pipeline runs as is
+    modes = [m for m in run["question_modes"] if m in ("agnostic", "aware")]  # the niah task has no later turns
     max_new = task_spec.get("max_new_tokens", run["max_new_tokens"])
 
     def engine(modes: list[str]) -> tuple[float, dict]:

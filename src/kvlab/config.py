@@ -104,12 +104,21 @@ def _check_semantics(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'methods.{name}.tasks': the full reference runs on every task; remove it")
         if method["kind"] == "quant":
             _check_quant(name, method, where)
+        if "wrapper" in method and "press" not in method:
+            raise ConfigError(f"{where}: key 'methods.{name}.wrapper': wraps a press; add `press` (e.g. SnapKVPress)")
         if "press" in method:
             press = method["press"]
             if press not in presses:
                 close = [p for p in presses if p.lower().startswith(press.lower()[:4])]
                 hint = f"; did you mean {', '.join(close)}?" if close else f"; kvpress has: {', '.join(sorted(presses))}"
                 raise ConfigError(f"{where}: key 'methods.{name}.press': kvpress has no press '{press}'{hint}")
+            if method.get("wrapper_kwargs") and "wrapper" not in method:
+                raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs': needs a `wrapper` press to configure")
+            wrapper = method.get("wrapper")
+            if wrapper is not None and wrapper not in presses:
+                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': kvpress has no press '{wrapper}'; wrappers: KeyRerotationPress, MergingPress")
+            if "press" in method.get("wrapper_kwargs", {}):
+                raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs.press': the wrapped press is `press`; remove it here")
             for key, value in method.get("kwargs", {}).items():
                 if value == "calibrated" and key != "n_sink":
                     raise ConfigError(

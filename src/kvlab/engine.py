@@ -57,9 +57,12 @@ AttentionInterface.register(ATTENTION, sdpa_gqa)
 AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+def language_model(model) -> torch.nn.Module:
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
 def decoder_layers(model) -> torch.nn.ModuleList:
-    inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
-    return inner.layers
+    return language_model(model).layers
 
 
 def attention_layers(model) -> list[torch.nn.Module]:
@@ -146,6 +149,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
         for idx, module in enumerate(attention_layers(model)):
             if is_sliding(model, idx):
                 continue
+            module.rotary_emb = language_model(model).rotary_emb  # as kvpress's hooks set it (KeyRerotationPress reads it)
             cap = base.captures[idx]
             layer = cache.layers[idx]
             kwargs = {
@@ -155,12 +159,35 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 "cache_position": cache_position,
             }
             layer.keys, layer.values = press.compress(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
+            if getattr(module, "masked_key_indices", None) is not None:  # a press that masks keys, freeing nothing
+                batch, head, seq = module.masked_key_indices
+                module.masked_key_indices = None
+                if variant.kind != "kvpress":
+                    raise ValueError(f"method '{variant.method}': {variant.params['press']} masks keys instead of evicting them; "
+                                     "it cannot be composed with a quantized cache, use an evicting press (e.g. SnapKVPress)")
+                layer.masked = torch.zeros(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
+                layer.masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
+        if variant.rerotates:
+            rerotated(model, cache, variant, base.length)
     if variant.kind == "h2o":
         sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
         h2o_layers(model, cache, base.captures, variant.budget, variant.params["recent"], sliding, attention_layers(model))
     if variant.quantized:
         quantize_layers(cache, {"kind": variant.kind, **variant.params}, [is_sliding(model, i) for i in range(len(cache.layers))], base.captures)
     return cache
+
+
+def rerotated(model, cache: DynamicCache, variant: Variant, context: int) -> None:
+    """Mark a cache whose kept keys were re-rotated to positions 0…n-1: its rows decode from position n (the
+    batch shifts their position ids by n - context). One position per row, so every layer must keep n."""
+    kept = {layer.keys.shape[-2] for layer in cache.layers}
+    if any(is_sliding(model, i) for i in range(len(cache.layers))):
+        raise ValueError(f"method '{variant.method}': KeyRerotationPress moves positions, which this model's uncompressed "
+                         "sliding-window layers cannot follow; remove the wrapper for this model")
+    if len(kept) != 1:
+        raise ValueError(f"method '{variant.method}': KeyRerotationPress needs the same kept count in every layer "
+                         f"(got {sorted(kept)}); per-layer budgets cannot share one decoding position")
+    cache.position_shift = kept.pop() - context
 
 
 def shallow_copy(cache: DynamicCache) -> DynamicCache:
@@ -182,7 +209,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     the uncompressed context in bf16 (codes and metadata as stored; full-precision residual, sinks and dense
     entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
     nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
-    tokens = []
+    tokens, kept = [], []
     for layer in cache.layers:
         held = held_tokens(layer)
         tokens.append(held)
@@ -190,6 +217,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         nbytes += measured
         quantized = getattr(layer, "_quantized_keys", None)
         heads, d = (quantized if quantized is not None else layer.keys).shape[1::2]
+        masked = getattr(layer, "masked", None)
+        kept += [held - int(m) for m in masked[0].sum(-1)] if masked is not None else [held] * heads
         token_bf16 = 2 * heads * d * 2
         reference_bf16 += (held if getattr(layer, "is_sliding", False) else context) * token_bf16
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
@@ -209,6 +238,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             stored_bf16 += dense * 2
     return {
         "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
+        # tokens each (layer, KV head) attends to: below kv_tokens_mean only for presses that mask without freeing
+        "kv_kept_heads": kept, "kv_kept_mean": float(sum(kept) / len(kept)), "kv_kept_min": int(min(kept)),
         "compression_vs_bf16": reference_bf16 / stored_bf16,
         # the quantized tokens alone: bf16 bytes / their codes and metadata (the steady-state ratio)
         "codes_vs_bf16": code_tokens_bf16 / code_bytes if code_bytes else float("nan"),
@@ -273,17 +304,29 @@ class Batch:
         self.cache = shallow_copy(caches[0])
         self.lengths: list[torch.Tensor] = []
         self.padded: list[int] = []
+        self.masked: list[torch.Tensor | None] = []  # (B, H_kv, width): entries a masking press hides, per layer
         for idx, layer in enumerate(self.cache.layers):
             rows = [c.layers[idx] for c in caches]
             n = [held_tokens(r) for r in rows]
             width = max(n)
+            masked = None
             if any(own_layout(r) for r in rows):
                 self.cache.layers[idx] = Rows(rows)
             else:
                 layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
                 layer.values = torch.cat([_pad(r.values, width) for r in rows])
+                if any(getattr(r, "masked", None) is not None for r in rows):
+                    masked = torch.cat([
+                        torch.nn.functional.pad(getattr(r, "masked", None) if getattr(r, "masked", None) is not None
+                                                else torch.zeros(r.keys.shape[:3], dtype=torch.bool, device=r.keys.device),
+                                                (0, width - r.keys.shape[-2]))
+                        for r in rows
+                    ])
             self.lengths.append(torch.tensor(n, device=model.device))
             self.padded.append(width)
+            self.masked.append(masked)
+        # position shift per row: re-rotated caches decode from their kept length, not the prompt's
+        self.shift = torch.tensor([getattr(c, "position_shift", 0) for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking
         self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
 
@@ -301,26 +344,34 @@ class Batch:
                 layer.keys = layer.keys.index_select(0, index)
                 layer.values = layer.values.index_select(0, index)
             self.lengths[idx] = self.lengths[idx].index_select(0, index)
+            if self.masked[idx] is not None:
+                self.masked[idx] = self.masked[idx].index_select(0, index)
+        self.shift = self.shift.index_select(0, index)
 
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
-        stored entries and the tail causally, never the padding."""
+        stored entries and the tail causally, never the padding. Where a press masked entries per KV head,
+        the mask is per query head (B, H_q, n, kv) and hides them too."""
         width, device = self.padded[idx], self.lengths[idx].device
         kv = width + self.fed + n
         j = torch.arange(kv, device=device)
-        stored = j[None, :] < self.lengths[idx][:, None]  # (B, kv)
+        stored = (j[None, :] < self.lengths[idx][:, None])[:, None, :]  # (B, 1, kv)
+        if self.masked[idx] is not None:
+            hidden = torch.nn.functional.pad(self.masked[idx], (0, kv - width))  # (B, H_kv, kv)
+            groups = self.model.config.get_text_config().num_attention_heads // hidden.shape[1]
+            stored = (stored & ~hidden).repeat_interleave(groups, dim=1)  # (B, H_q, kv)
         tail_pos = j - width  # position of key j within the tail
         query = self.fed + torch.arange(n, device=device)  # position of each query within the tail
         causal = (tail_pos[None, :] >= 0) & (tail_pos[None, :] <= query[:, None])  # (n, kv)
-        allowed = stored[:, None, :] | causal[None, :, :]
+        allowed = stored[:, :, None, :] | causal[None, None, :, :]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1) -> torch.Tensor:
         """Feed `ids` (B, n) at original positions start…; return the last `logits_to_keep` logits."""
         model, n = self.model, ids.shape[1]
-        pos = torch.arange(start, start + n, device=ids.device).expand(ids.shape[0], n)
+        pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
         masks = {
             idx: layer.mask(n, model.dtype, ids.device) if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
@@ -485,13 +536,26 @@ def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     ]
 
 
+QUESTION_MODES = {  # mode -> (what the cache was compressed with, which turns it labels)
+    "agnostic": ("agnostic", lambda turn: True),  # the context alone: no question ever seen
+    "aware": ("aware", lambda turn: turn == 1),  # the question asked is inside the compressed prompt
+    "multi_turn": ("aware", lambda turn: turn > 1),  # compressed for the first question, asked a later one
+}
+
+
 def evaluate_sample(
     model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
 ):
-    """Rows for one sample: every variant × question mode × turn, from one shared prefill per mode.
+    """Rows for one sample: every variant × question mode × turn, from one shared prefill per compression.
 
-    Per mode, each variant compresses its own copy of the prefilled cache; all variants then decode as one
-    batch. With `kl`, KL and NLL are teacher-forced along one path per sample and turn: the sample's
+    Question modes (`QUESTION_MODES`): `agnostic` compresses the context before any question (every turn is
+    asked on it); `aware` compresses context and question together and answers that question; `multi_turn`
+    reuses the aware cache for the sample's later turns (a different question about another needle), so it
+    only has rows on samples with follow-up turns. A sample whose question sits inside the context (asked
+    before the document) is compressed once for both agnostic and aware.
+
+    Per compression, each variant compresses its own copy of the prefilled cache; all variants then decode
+    as one batch. With `kl`, KL and NLL are teacher-forced along one path per sample and turn: the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method
     drifts from full).
     """
@@ -503,18 +567,19 @@ def evaluate_sample(
     context = prefill(model, p.context)
     prefill_s = {"agnostic": time.perf_counter() - t0}
     bases = {"agnostic": (context, p.question + p.suffix)}
-    if "aware" in modes and p.question:
+    if any(QUESTION_MODES[m][0] == "aware" for m in modes) and p.question:
         t0 = time.perf_counter()
         bases["aware"] = (prefill(model, p.question, past=context), p.suffix)
         prefill_s["aware"] = prefill_s["agnostic"] + time.perf_counter() - t0
-    rows, done = [], {}
+    turns_of = {}  # compression -> {turn number: modes whose rows it gives}
     for mode in modes:
-        key = mode if mode in bases else "agnostic"  # no separate question: both modes are one computation
-        if key in done:
-            rows += [{**r, "question_mode": mode} for r in done[key]]
-            continue
+        key = QUESTION_MODES[mode][0] if QUESTION_MODES[mode][0] in bases else "agnostic"
+        for number in range(1, len(p.followups) + 2):
+            if QUESTION_MODES[mode][1](number):
+                turns_of.setdefault(key, {}).setdefault(number, []).append(mode)
+    rows = []
+    for key, labelled in turns_of.items():
         base, tail = bases[key]
-        first = len(rows)
         caches, compress_s, stats = [], [], []
         for variant in variants:
             t0 = time.perf_counter()
@@ -525,6 +590,8 @@ def evaluate_sample(
         for turn in p.followups:
             turns.append((turns[-1][0] + turn.ids, turn.gold))
         for number, (turn_tail, gold) in enumerate(turns, start=1):
+            if number not in labelled:
+                continue
             t0 = time.perf_counter()
             decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
             decode_s = time.perf_counter() - t0
@@ -536,29 +603,27 @@ def evaluate_sample(
             tf_s = time.perf_counter() - t0
             for i, variant in enumerate(variants):
                 prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
-                rows.append(
-                    {
-                        **sample.row(),
-                        "method": variant.method,
-                        "method_kind": variant.kind,
-                        "press": variant.params.get("press"),
-                        **variant.storage,
-                        "budget": variant.budget,
-                        "question_mode": mode,
-                        "turn": number,
-                        "gold": list(gold),
-                        "compressed_tokens": base.length,
-                        "prediction": prediction,
-                        "score": score(sample.metric, prediction, gold),
-                        **stats[i],
-                        **div[i],
-                        "prefill_s": prefill_s[key],
-                        "compress_s": compress_s[i],
-                        "decode_s": decode_s,
-                        "decode_batch": len(variants),
-                        "teacher_forced_s": tf_s,
-                        "new_tokens": len(decoded[i]),
-                    }
-                )
-        done[key] = rows[first:]
+                row = {
+                    **sample.row(),
+                    "method": variant.method,
+                    "method_kind": variant.kind,
+                    "press": variant.params.get("press"),
+                    "wrapper": variant.params.get("wrapper"),
+                    **variant.storage,
+                    "budget": variant.budget,
+                    "turn": number,
+                    "gold": list(gold),
+                    "compressed_tokens": base.length,
+                    "prediction": prediction,
+                    "score": score(sample.metric, prediction, gold),
+                    **stats[i],
+                    **div[i],
+                    "prefill_s": prefill_s[key],
+                    "compress_s": compress_s[i],
+                    "decode_s": decode_s,
+                    "decode_batch": len(variants),
+                    "teacher_forced_s": tf_s,
+                    "new_tokens": len(decoded[i]),
+                }
+                rows += [{**row, "question_mode": mode} for mode in labelled[number]]
     return rows

@@ -47,14 +47,25 @@ class Variant:
         axes = (p["key_axis"], p["value_axis"]) if p["scheme"] == "kivi" else (None, None)
         return {"scheme": p["scheme"], "bits": bits, "key_axis": axes[0], "value_axis": axes[1]}
 
+    @property
+    def rerotates(self) -> bool:
+        """Whether kept keys are re-rotated to consecutive positions 0…n-1 (kvpress's KeyRerotationPress, as
+        StreamingLLM assigns positions within the cache); decoding then continues at position n, not at the
+        prompt's length (as kvpress's pipeline does)."""
+        return self.params.get("wrapper") == "KeyRerotationPress"
+
     def make_press(self) -> Any:
-        """A fresh kvpress press for this variant (None when it evicts nothing)."""
+        """A fresh kvpress press for this variant (None when it evicts nothing); with `wrapper`, the press
+        wrapped in that kvpress wrapper (KeyRerotationPress, MergingPress, …), built with `wrapper_kwargs`."""
         if "press" not in self.params:
             return None
         import kvpress
 
         cls = getattr(kvpress, self.params["press"])
-        return cls(compression_ratio=1.0 - self.budget, **self.params.get("kwargs", {}))
+        press = cls(compression_ratio=1.0 - self.budget, **self.params.get("kwargs", {}))
+        if "wrapper" in self.params:
+            press = getattr(kvpress, self.params["wrapper"])(press=press, **self.params.get("wrapper_kwargs", {}))
+        return press
 
 
 CALIBRATED = "calibrated"  # a kwarg value taken from the model's calibration instead of the config
