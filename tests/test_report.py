@@ -1,6 +1,7 @@
 """The report is one self-contained page: no network address, charts drawn inline, names escaped,
 and it really renders in headless Chromium with the network cut off."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ import pytest
 
 import pandas as pd
 
-from kvlab.report.build import build, load_queries, pooled, quant_verdicts
+from kvlab.report.build import build, eviction_verdicts, load_queries, pooled, quant_verdicts
 
 CHROMIUM = shutil.which("chromium")
 
@@ -27,7 +28,7 @@ def test_no_network_references(page):
 
 
 def test_sections_and_queries_present(page):
-    for title in ("Summary", "Accuracy vs KV budget", "Divergence from the full cache", "Decode throughput",
+    for title in ("Summary", "Accuracy vs KV bytes", "Eviction: which tokens survive", "Divergence from the full cache", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches"):
@@ -132,3 +133,58 @@ def test_quant_verdicts_fail_where_the_numbers_contradict_the_claims():
 def test_quant_verdicts_say_not_measured_without_the_methods():
     kl = kl_rows(kivi2=("kivi", 2, "channel", 0.1))
     assert set(verdicts(kl, acc_rows(0).iloc[0:0]).values()) == {"not measured"}
+
+
+def ev(method, shape, mode, budget, accuracy, full=1.0, depth=0.5, press=None, kind="kvpress", kwargs=None, rows=6):
+    press = press or {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "stream": "StreamingLLMPress"}.get(method)
+    return {"model": "m", "shape": shape, "question_mode": mode, "method": method, "method_kind": kind,
+            "press": press if kind == "kvpress" else None, "wrapper": None,
+            "press_kwargs": json.dumps(kwargs or {}) if kind == "kvpress" else None, "budget": budget, "depth": depth,
+            "accuracy": accuracy, "full_accuracy": full, "rows": rows}
+
+
+def eviction_tables(snap_aware=1.0, snap_agnostic=0.0, second=0.0, h2o=0.0, outside=0.0, kl0=2.0, pyramid=0.5):
+    acc = pd.DataFrame([
+        ev("snapkv", "single needle", "aware", 0.25, snap_aware),
+        ev("snapkv", "single needle", "agnostic", 0.25, snap_agnostic),
+        ev("snapkv", "multi-turn", "multi_turn", 0.25, second),
+        ev("snapkv", "single needle", "aware", 0.5, 0.5),
+        ev("pyramidkv", "single needle", "aware", 0.5, pyramid),
+        ev("h2o", "single needle", "agnostic", 0.25, h2o, kind="h2o"),
+        ev("h2o", "single needle", "aware", 0.25, h2o, kind="h2o"),
+        ev("stream", "single needle", "agnostic", 0.25, outside, depth=0.1, kwargs={"n_sink": 4}),
+        ev("stream", "single needle", "agnostic", 0.25, 1.0, depth=0.9, kwargs={"n_sink": 4}),
+    ])
+    kl = pd.DataFrame([
+        {"model": "m", "method": m, "method_kind": "kvpress", "press": "StreamingLLMPress", "wrapper": None,
+         "press_kwargs": json.dumps({"n_sink": n}), "budget": 0.25, "context_tokens": 512, "kl_mean_nats": k, "ppl": 1, "samples": 2}
+        for m, n, k in (("stream", 4, 0.5), ("stream0", 0, kl0))
+    ])
+    return {c.split()[0]: (v, e) for c, v, e in eviction_verdicts(acc, kl)}
+
+
+def test_eviction_verdicts_hold_on_a_table_that_shows_the_claims():
+    out = eviction_tables()
+    assert {k: v for k, (v, _) in out.items()} == {"C6": "holds", "C7": "holds", "C8": "holds", "C11": "holds"}
+    assert "question-aware 100% (full 100%, 6 answers)" in out["C6"][1]
+    assert "needle outside the kept window 0%" in out["C8"][1] and "inside 100%" in out["C8"][1]
+    assert "0.5: PyramidKV 50.0% vs SnapKV 50.0%" in out["C11"][1]
+
+
+@pytest.mark.parametrize("change,claim", [
+    ({"snap_aware": 0.5}, "C6"), ({"snap_agnostic": 1.0}, "C6"), ({"second": 0.9}, "C6"),
+    ({"h2o": 0.9}, "C7"), ({"outside": 1.0}, "C8"), ({"kl0": 0.6}, "C8"), ({"pyramid": 0.3}, "C11"),
+])
+def test_eviction_verdicts_fail_where_the_numbers_contradict_the_claims(change, claim):
+    out = eviction_tables(**change)
+    assert out[claim][0] == "does not hold"
+    assert all(v == "holds" for k, (v, _) in out.items() if k != claim)
+
+
+def test_eviction_verdicts_say_not_measured_without_the_methods():
+    empty = pd.DataFrame(columns=["model", "shape", "question_mode", "method", "method_kind", "press", "wrapper",
+                                  "press_kwargs", "budget", "depth", "accuracy", "full_accuracy", "rows"])
+    kl = pd.DataFrame(columns=["model", "method", "method_kind", "press", "wrapper", "press_kwargs", "budget",
+                               "context_tokens", "kl_mean_nats", "ppl", "samples"])
+    out = eviction_verdicts(empty, kl)
+    assert [v for _, v, _ in out] == ["not measured"] * 4

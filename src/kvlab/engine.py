@@ -16,6 +16,7 @@ as it would alone (tests/test_engine.py checks the predictions against one-varia
 from __future__ import annotations
 
 import copy
+import json
 import math
 import time
 from contextlib import contextmanager
@@ -609,6 +610,7 @@ def evaluate_sample(
                     "method_kind": variant.kind,
                     "press": variant.params.get("press"),
                     "wrapper": variant.params.get("wrapper"),
+                    "press_kwargs": json.dumps(variant.params["kwargs"], sort_keys=True) if "press" in variant.params else None,
                     **variant.storage,
                     "budget": variant.budget,
                     "turn": number,

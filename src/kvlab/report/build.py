@@ -7,6 +7,7 @@ network. Every table and chart comes from a named query in queries.sql, shown un
 from __future__ import annotations
 
 import html
+import json
 import numbers
 import re
 from importlib.resources import files
@@ -59,18 +60,17 @@ def svg(chart: alt.TopLevelMixin) -> str:
 
 
 def accuracy_chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
-    """Accuracy vs fraction of KV kept, one line per method, full cache as a dashed rule."""
-    data = acc.assign(panel=acc["task"] + " · " + acc["context_tokens"].astype(str) + " tok · " + acc["question_mode"])
-    base = alt.Chart(data)
-    lines = base.transform_filter(alt.datum.budget < 1).mark_line(point=True).encode(
-        x=alt.X("budget:Q", title="fraction of KV kept", scale=alt.Scale(domain=[0, 1])),
+    """Accuracy vs KV bytes stored (fraction of the full bf16 cache, log scale), one line per method
+    (evicting methods across their budgets; quantized ones a point each), one panel per task shape and
+    question mode; the full cache is the point at 1."""
+    data = acc.assign(kv=acc["kv_fraction_bf16"].clip(lower=1e-3))
+    return alt.Chart(data).mark_line(point=True).encode(
+        x=alt.X("kv:Q", title="KV bytes stored / full cache in bf16", scale=alt.Scale(type="log", domain=[0.02, 1])),
         y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
-        color=alt.Color("method:N", title="method"),
-        tooltip=["method", "budget", "accuracy", "samples"],
-    )
-    full = base.transform_filter(alt.datum.budget == 1).mark_rule(strokeDash=[4, 3], color="black").encode(y="accuracy:Q")
-    return alt.layer(lines, full).properties(width=260, height=180).facet(
-        facet=alt.Facet("panel:N", title=None), columns=3
+        color=alt.Color("method:N", title="method"), order="kv:Q",
+        tooltip=["method", "budget", "accuracy", "kv_fraction_bf16", "rows"],
+    ).properties(width=230, height=160).facet(
+        row=alt.Row("shape:N", title=None), column=alt.Column("question_mode:N", title=None, sort=["agnostic", "aware", "multi_turn"])
     )
 
 
@@ -270,6 +270,137 @@ def quant_section(kl: pd.DataFrame, by_task: pd.DataFrame) -> str:
     )
 
 
+C6_BUDGET = 0.25  # C6 and C7 are judged at the article's 25% budget
+FAIL_SHARE = 0.5  # "fails": at most this share of the full cache's accuracy on the same samples
+WINDOW_MARGIN = 0.05  # C8: a needle counts as outside the kept window when its distance from the end, as a
+# fraction of the document, exceeds the budget by this margin (depth is measured in sentences, not tokens)
+C8_COLLAPSE = 2.0  # C8: without sinks, prose KL at least this multiple of the KL with sinks at the same budget
+
+
+def _plain(frame: pd.DataFrame, press: str) -> pd.DataFrame:
+    """Rows of a kvpress press used alone (no wrapper)."""
+    return frame[(frame["press"] == press) & frame["wrapper"].isna()]
+
+
+def _n_sink(frame: pd.DataFrame) -> pd.Series:
+    return frame["press_kwargs"].map(lambda k: json.loads(k).get("n_sink") if isinstance(k, str) else None)
+
+
+def _score(frame: pd.DataFrame) -> tuple[float, float, int]:
+    """Accuracy and the full cache's accuracy on the same answers, weighted by rows; and the row count."""
+    n = frame["rows"].sum()
+    return (frame["accuracy"] * frame["rows"]).sum() / n, (frame["full_accuracy"] * frame["rows"]).sum() / n, int(n)
+
+
+def _passes(acc: float, full: float) -> bool:
+    return full > 0 and acc >= full - TOLERANCE_POINTS / 100
+
+
+def _fails(acc: float, full: float) -> bool:
+    return full > 0 and acc <= FAIL_SHARE * full
+
+
+def _says(label: str, frame: pd.DataFrame) -> str:
+    a, f, n = _score(frame)
+    return f"{label} {a:.0%} (full {f:.0%}, {n} answers)"
+
+
+def eviction_verdicts(acc: pd.DataFrame, kl: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(claim, verdict, evidence) for C6, C7, C8 and C11 from the eviction_accuracy and eviction_kl tables."""
+    out = []
+    needle = acc[acc["shape"] == "single needle"]
+    snap = _plain(acc, "SnapKVPress")
+    snap25 = snap[snap["budget"] == C6_BUDGET]
+    parts = {
+        "question-aware": snap25[(snap25["shape"] == "single needle") & (snap25["question_mode"] == "aware")],
+        "question-agnostic": snap25[(snap25["shape"] == "single needle") & (snap25["question_mode"] == "agnostic")],
+        "second turn": snap25[(snap25["shape"] == "multi-turn") & (snap25["question_mode"] == "multi_turn")],
+    }
+    c6 = f"C6 SnapKV {C6_BUDGET:.0%}: passes the needle question-aware, fails agnostic and on the second turn"
+    missing = [k for k, v in parts.items() if v.empty]
+    if missing:
+        out.append((c6, "not measured", f"no SnapKV rows at {C6_BUDGET:g} for: {', '.join(missing)}"))
+    else:
+        s = {k: _score(v) for k, v in parts.items()}
+        holds = _passes(*s["question-aware"][:2]) and _fails(*s["question-agnostic"][:2]) and _fails(*s["second turn"][:2])
+        out.append((c6, "holds" if holds else "does not hold",
+                    "; ".join(_says(k, v) for k, v in parts.items())
+                    + f". Rule: aware within {TOLERANCE_POINTS:g} point of full; agnostic and second turn at most "
+                    f"{FAIL_SHARE:.0%} of full."))
+    h2o = needle[(needle["method_kind"] == "h2o") & (needle["budget"] == C6_BUDGET)]
+    c7 = "C7 H2O fails the needle"
+    if h2o.empty:
+        out.append((c7, "not measured", f"no H2O rows on a single needle at {C6_BUDGET:g}"))
+    else:
+        modes = {m: g for m, g in h2o.groupby("question_mode")}
+        holds = all(_fails(*_score(g)[:2]) for g in modes.values())
+        out.append((c7, "holds" if holds else "does not hold",
+                    "; ".join(_says(f"{m} at {C6_BUDGET:g}", g) for m, g in modes.items())
+                    + f". Rule: at most {FAIL_SHARE:.0%} of full in every question mode."))
+    stream = _plain(acc[acc["shape"].isin(["single needle", "recency"]) & acc["depth"].notna()], "StreamingLLMPress")
+    stream = stream[_n_sink(stream).fillna(0) > 0]
+    distance = 1 - stream["depth"]
+    outside, inside = stream[distance > stream["budget"] + WINDOW_MARGIN], stream[distance < stream["budget"] - WINDOW_MARGIN]
+    streams = _plain(kl, "StreamingLLMPress").assign(n_sink=lambda f: _n_sink(f))
+    pairs = streams[streams["n_sink"] == 0].merge(
+        streams[streams["n_sink"] > 0], on=["model", "budget", "context_tokens"], suffixes=("_0", "_sinks"))
+    c8 = "C8 StreamingLLM fails outside its window and collapses without sinks"
+    if outside.empty or pairs.empty:
+        what = "needles outside the window" if outside.empty else "prose KL with n_sink 0 and with sinks"
+        out.append((c8, "not measured", f"no StreamingLLM rows for {what}"))
+    else:
+        ratio = pairs["kl_mean_nats_0"] / pairs["kl_mean_nats_sinks"]
+        holds = _fails(*_score(outside)[:2]) and bool((ratio >= C8_COLLAPSE).all())
+        each = "; ".join(f"{r.budget:g} at {r.context_tokens} tokens: {r.kl_mean_nats_0:.3g} vs {r.kl_mean_nats_sinks:.3g} nat"
+                         for r in pairs.itertuples())
+        out.append((c8, "holds" if holds else "does not hold",
+                    _says("needle outside the kept window", outside)
+                    + ("; " + _says("inside", inside) if not inside.empty else "")
+                    + f". Prose KL without sinks vs with {int(pairs['n_sink_sinks'].iloc[0])}: {each}. Rule: outside at most "
+                    f"{FAIL_SHARE:.0%} of full; KL without sinks ≥ {C8_COLLAPSE:g}× at every budget."))
+    pyr, snp = _plain(acc, "PyramidKVPress"), snap
+    keys = ["model", "shape", "question_mode", "budget", "depth"]
+    both = pyr.merge(snp, on=keys, suffixes=("_p", "_s"))
+    c11 = "C11 PyramidKV ≥ SnapKV at equal total budget"
+    if both.empty:
+        out.append((c11, "not measured", "needs PyramidKV and SnapKV on the same tasks"))
+    else:
+        per = []
+        for budget, g in both.groupby("budget", sort=False):
+            n = g["rows_p"].sum()
+            per.append((budget, (g["accuracy_p"] * g["rows_p"]).sum() / n, (g["accuracy_s"] * g["rows_s"]).sum() / g["rows_s"].sum(), n))
+        holds = all(p >= q - TOLERANCE_POINTS / 100 for _, p, q, _ in per)
+        out.append((c11, "holds" if holds else "does not hold",
+                    "; ".join(f"{b:g}: PyramidKV {p:.1%} vs SnapKV {q:.1%} ({n} answers each)" for b, p, q, n in per)
+                    + f" (every scored task shape and question mode both ran). Rule: PyramidKV ≥ SnapKV − "
+                    f"{TOLERANCE_POINTS:g} point at every budget."))
+    return out
+
+
+def eviction_section(acc: pd.DataFrame, kl: pd.DataFrame) -> str:
+    if acc.empty and kl.empty:
+        return "<p>No eviction method was configured in this run.</p>"
+    items = "".join(f"<li><b>{esc(c)}: {esc(v)}</b> — {esc(e)}</li>" for c, v, e in eviction_verdicts(acc, kl))
+    masking = acc[acc["kept_tokens"] < acc["stored_tokens"] - 0.5]
+    note = ""
+    if not masking.empty:
+        names = ", ".join(sorted(masking["method"].unique()))
+        note = (f"<p class='note'>{esc(names)}: the press masks evicted keys per head and frees nothing — "
+                "stored tokens stay the prompt's, attended tokens drop to the budget (see the bytes section).</p>")
+    pooled_modes = acc.groupby(["model", "shape", "question_mode", "method", "budget"], sort=False).apply(
+        lambda g: pd.Series({"accuracy": _score(g)[0], "full_accuracy": _score(g)[1], "rows": _score(g)[2]}),
+        include_groups=False,
+    ).reset_index()
+    return (
+        "<p>Eviction compresses once, after the prompt part is prefilled (question-agnostic: the context alone; "
+        "aware: context and question; multi_turn: the aware cache asked a later question about another needle). "
+        "H2O also evicts at every decoding step. Positions: kept keys keep their rotation and decoding continues "
+        "at the prompt's length, except for methods wrapped in KeyRerotationPress (StreamingLLM's own scheme: "
+        "keys re-rotated to 0…n−1, decoding from n). Sliding-window layers (Gemma 3) are never compressed.</p>"
+        f"<ul>{items}</ul>{note}" + table(pooled_modes) + "<h3>On real prose</h3>" + table(kl)
+    )
+
+
 def section(title: str, body: str, sql: str | None = None) -> str:
     query = f"<details><summary>query</summary><pre>{esc(sql)}</pre></details>" if sql else ""
     return f"<section><h2>{esc(title)}</h2>{body}{query}</section>"
@@ -337,13 +468,17 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         f"preset {esc(prov.get('preset'))} · commit {esc(prov.get('git_commit', '')[:12])}</p>",
         section("Summary", summary(q["versus_full"], q["models"], q["accuracy"]), queries["versus_full"]),
         section(
-            "Accuracy vs KV budget",
-            svg(accuracy_chart(q["accuracy"]))
-            + "<p class='note'>Dashed line: full cache. Question agnostic: the context was compressed before the "
-            "question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's observation window).</p>"
+            "Accuracy vs KV bytes",
+            svg(accuracy_chart(q["accuracy_bytes"]))
+            + "<p class='note'>x: bytes the method stored after compression over the full cache's bytes, both "
+            "counted in bf16 (quantized codes and metadata as stored). Question agnostic: the context was compressed "
+            "before the question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's "
+            "observation window). multi_turn: a later question on the cache compressed for the first.</p>"
             + table(q["accuracy"]),
-            queries["accuracy"],
+            queries["accuracy_bytes"] + "\n\n" + queries["accuracy"],
         ),
+        section("Eviction: which tokens survive", eviction_section(q["eviction_accuracy"], q["eviction_kl"]),
+                queries["eviction_accuracy"] + "\n\n" + queries["eviction_kl"]),
         section(
             "Calibration: what the cache and attention look like",
             "<p>Each model read prose the tasks never use (the last tenth of the King James Bible); one forward "

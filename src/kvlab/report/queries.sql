@@ -18,6 +18,39 @@ FROM eval WHERE metric <> 'none'
 GROUP BY ALL
 ORDER BY model, task, context_tokens, question_mode, method, budget DESC;
 
+-- name: accuracy_bytes
+-- Accuracy per task shape, question mode, method and budget against the KV bytes the method stored, as a
+-- fraction of the full cache in bf16 (1 / compression_vs_bf16: residuals and dense entries at 2 bytes).
+SELECT model, shape, question_mode, method, budget,
+       avg(score) AS accuracy, avg(1 / compression_vs_bf16) AS kv_fraction_bf16,
+       avg(kv_bytes) AS kv_bytes, avg(kv_kept_mean) AS kept_tokens, count(*) AS rows
+FROM eval WHERE metric <> 'none'
+GROUP BY ALL ORDER BY model, shape, question_mode, method, budget DESC;
+
+-- name: eviction_accuracy
+-- Eviction methods by task shape, question mode, budget and needle depth, beside the full cache on the same
+-- samples and turns; the claims C6, C7, C8 and C11 read this table.
+WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
+reference AS (
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
+)
+SELECT model, shape, question_mode, method, method_kind, press, wrapper, press_kwargs, budget, depth,
+       avg(score) AS accuracy, avg(full_score) AS full_accuracy, count(*) AS rows,
+       avg(kv_tokens_mean) AS stored_tokens, avg(kv_kept_mean) AS kept_tokens, avg(kv_bytes) AS kv_bytes
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+WHERE method_kind IN ('kvpress', 'h2o') AND scheme IS NULL
+GROUP BY ALL
+ORDER BY model, shape, question_mode, method, budget DESC, depth;
+
+-- name: eviction_kl
+-- Eviction methods on real prose: per-token KL(full ‖ method) and perplexity along the true continuation.
+SELECT model, method, method_kind, press, wrapper, press_kwargs, budget, context_tokens,
+       avg(kl_vs_full) AS kl_mean_nats, avg(ppl) AS ppl, count(*) AS samples
+FROM eval
+WHERE metric = 'none' AND question_mode = 'agnostic' AND method_kind IN ('kvpress', 'h2o') AND scheme IS NULL
+GROUP BY ALL
+ORDER BY model, method, budget DESC, context_tokens;
+
 -- name: versus_full
 -- Each compressed variant against the full cache on the same samples: accuracy change in points.
 WITH scored AS (
@@ -108,7 +141,8 @@ FROM costs WHERE source = 'model' ORDER BY model, total_bytes DESC;
 -- name: bytes_measured
 -- Bytes held by this run's real caches (summed from the stored tensors) beside the accounting formula.
 SELECT model, method, budget, question_mode, dtype,
-       avg(compressed_tokens) AS prompt_part_tokens, avg(kv_tokens_mean) AS kept_tokens,
+       avg(compressed_tokens) AS prompt_part_tokens, avg(kv_tokens_mean) AS stored_tokens,
+       avg(kv_kept_mean) AS attended_tokens, min(kv_kept_min) AS attended_min_per_head,
        avg(kv_bytes) AS measured_bytes, avg(kv_bytes_formula) AS formula_bytes,
        avg(compression_vs_bf16) AS compression_vs_bf16,
        sum(CASE WHEN kv_bytes = kv_bytes_formula THEN 1 ELSE 0 END) AS rows_equal, count(*) AS rows

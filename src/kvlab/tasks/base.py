@@ -40,6 +40,12 @@ class Prompt:
         return len(self.context) + len(self.question) + len(self.suffix)
 
 
+SHAPES = {
+    "recency": "recency", "variable_tracking": "multi-hop", "multi_turn": "multi-turn", "common_words": "aggregation",
+    "frequent_words": "aggregation", "arithmetic": "reasoning", "continuation": "prose",
+}  # task kind -> shape (niah splits by its parameters, see Sample.shape)
+
+
 @dataclass(frozen=True)
 class Sample:
     task: str
@@ -53,11 +59,21 @@ class Sample:
     metric: str = "string_match_all"
     meta: dict = field(default_factory=dict)
 
+    @property
+    def shape(self) -> str:
+        """The task's shape, the report's grouping (the article's decision table has one row per shape)."""
+        if self.kind != "niah":
+            return SHAPES[self.kind]
+        if not self.prompt.question:
+            return "needle, question first"
+        return "single needle" if len(self.gold) == 1 and len(self.meta["keys"]) == 1 else "several needles"
+
     def row(self) -> dict:
         """The columns every result row of this sample carries."""
         return {
             "task": self.task,
             "task_kind": self.kind,
+            "shape": self.shape,
             "sample_id": self.sample_id,
             "context_tokens": self.context_tokens,
             "prompt_tokens": self.prompt.tokens,
