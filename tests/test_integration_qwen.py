@@ -70,3 +70,26 @@ def test_kivi_kl_targets_on_real_prose(qwen):
     assert rows["hf4"]["kl_vs_full"] >= 20 * rows["kivi4"]["kl_vs_full"]
     assert rows["kivi4"]["codes_vs_bf16"] == pytest.approx(3.2)  # 64 × 4 bits + 8 B key + 8 B value metadata per head
     assert rows["kivi4"]["kv_bytes"] == rows["kivi4"]["kv_bytes_formula"]
+
+
+def test_snapkv_aware_finds_a_1k_needle_that_streaming_llm_loses(qwen):
+    """Needles 10% and 50% deep in 1K tokens, 25% of the KV kept. SnapKV (observation window 32) with the question
+    inside its window finds them; without the question (agnostic) it loses them; StreamingLLM keeps 4 sinks and
+    the newest ~250 tokens, and the needles lie ≥ 450 tokens from the end, so it loses them in both modes."""
+    model, tokenizer = qwen
+    spec = {"kind": "niah", "depths": [0.1, 0.5], "samples": 1, "seed": 0}
+    methods = {
+        "full": {"kind": "full"},
+        "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 32, "kernel_size": 5}},
+        "streaming": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": 4}},
+    }
+    for sample in GENERATORS["niah"]("niah_single", spec, tokenizer, 1024):
+        rows = evaluate_sample(model, tokenizer, sample, variants(methods, [0.25]), ["agnostic", "aware"], 12, kl=False)
+        score = {(r["method"], r["question_mode"]): r["score"] for r in rows}
+        assert score[("full", "agnostic")] == score[("full", "aware")] == 1.0
+        assert score[("snapkv", "aware")] == 1.0, sample.sample_id
+        assert score[("snapkv", "agnostic")] == 0.0, sample.sample_id
+        assert score[("streaming", "agnostic")] == score[("streaming", "aware")] == 0.0, sample.sample_id
+        for r in rows:
+            if r["method"] != "full":
+                assert r["kv_tokens_mean"] == int(r["compressed_tokens"] * 0.25)

@@ -181,10 +181,19 @@ def test_eviction_verdicts_fail_where_the_numbers_contradict_the_claims(change, 
     assert all(v == "holds" for k, (v, _) in out.items() if k != claim)
 
 
+KL_COLUMNS = ["model", "method", "method_kind", "press", "wrapper", "press_kwargs", "budget", "context_tokens",
+              "kl_mean_nats", "ppl", "samples"]
+
+
+def test_eviction_verdicts_cannot_judge_where_the_full_cache_fails():
+    acc = pd.DataFrame([ev("snapkv", "single needle", m, 0.25, 0.0, full=0.0) for m in ("aware", "agnostic")]
+                       + [ev("snapkv", "multi-turn", "multi_turn", 0.25, 0.0, full=0.0)])
+    (c6,) = [v for c, v, _ in eviction_verdicts(acc, pd.DataFrame(columns=KL_COLUMNS)) if c.startswith("C6")]
+    assert c6 == "not measured (the full cache scores 0% on these samples)"
+
+
 def test_eviction_verdicts_say_not_measured_without_the_methods():
     empty = pd.DataFrame(columns=["model", "shape", "question_mode", "method", "method_kind", "press", "wrapper",
                                   "press_kwargs", "budget", "depth", "accuracy", "full_accuracy", "rows"])
-    kl = pd.DataFrame(columns=["model", "method", "method_kind", "press", "wrapper", "press_kwargs", "budget",
-                               "context_tokens", "kl_mean_nats", "ppl", "samples"])
-    out = eviction_verdicts(empty, kl)
+    out = eviction_verdicts(empty, pd.DataFrame(columns=KL_COLUMNS))
     assert [v for _, v, _ in out] == ["not measured"] * 4
