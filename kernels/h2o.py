@@ -58,6 +58,7 @@ class H2OLayer(DynamicLayer):
     returns the keys and values the attention reads, then evicts down to its capacity for the next step."""
 
     wants_query = True
+    own_layout = True  # rows change length at every step: the engine batches them row by row
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, scores: torch.Tensor, capacity: int, recent: int,
                  scaling: float):

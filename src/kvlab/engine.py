@@ -16,6 +16,7 @@ as it would alone (tests/test_engine.py checks the predictions against one-varia
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import time
@@ -28,9 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
 from kvlab.kernels import accounting, kvcache
-from kvlab.kernels.h2o import H2OLayer
-from kvlab.methods import Variant
-from kvlab.methods.h2o import h2o_layers
+from kvlab.methods import EVICTORS, Variant
 from kvlab.methods.quantized import layouts, quantize_layers
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
@@ -170,9 +169,9 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 layer.masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
-    if variant.kind == "h2o":
+    if variant.kind in EVICTORS:
         sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
-        h2o_layers(model, cache, base.captures, variant.budget, variant.params["recent"], sliding, attention_layers(model))
+        importlib.import_module(EVICTORS[variant.kind]).evict(model, cache, base, variant, sliding)
     if variant.quantized:
         quantize_layers(cache, {"kind": variant.kind, **variant.params}, [is_sliding(model, i) for i in range(len(cache.layers))], base.captures)
     return cache
@@ -248,8 +247,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
 
 
 def own_layout(layer) -> bool:
-    """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O)."""
-    return kvcache.is_quantized(layer) or isinstance(layer, H2OLayer)
+    """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O: `own_layout`)."""
+    return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)
 
 
 class Rows(DynamicLayer):

@@ -102,12 +102,17 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     return out
 
 
-EVICTING_KINDS = ("h2o",)  # kinds that evict by themselves (besides any method with a kvpress press)
+# Kinds that evict by themselves, besides any method with a kvpress press: kind -> module whose
+# `evict(model, cache, base, variant, sliding)` replaces the full-attention layers of a copy of the prefilled
+# cache (`base`: engine.Prefilled; `sliding`: which layers to leave alone). A layer that changes length while
+# decoding sets `own_layout = True` so the engine batches it row by row. A new kind: one module, one line here
+# (and its entry in workflow/config.schema.yaml).
+EVICTORS = {"h2o": "kvlab.methods.h2o"}
 
 
 def evicts(spec: dict) -> bool:
     """Whether a method entry keeps a fraction of the context (and so runs at every budget)."""
-    return "press" in spec or spec["kind"] in EVICTING_KINDS
+    return "press" in spec or spec["kind"] in EVICTORS
 
 
 def variants(methods: dict, budgets: list[float], task: str | None = None) -> list[Variant]:

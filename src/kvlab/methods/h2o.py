@@ -1,4 +1,5 @@
-"""H2O in the engine: a prefilled cache → one `kvlab.kernels.h2o.H2OLayer` per full-attention layer.
+"""H2O in the engine (registered in `kvlab.methods.EVICTORS`): a prefilled cache → one
+`kvlab.kernels.h2o.H2OLayer` per full-attention layer.
 
 Config: ``{kind: h2o, recent: 0.5}`` — `recent` is the share of the kept tokens reserved for the newest
 ones (the paper splits the budget evenly between heavy hitters and recent tokens); the budget comes from
@@ -14,16 +15,18 @@ from kvlab.kernels.h2o import H2OLayer, received_attention
 
 
 @torch.no_grad()
-def h2o_layers(model, cache, captures, budget: float, recent: float, sliding: list[bool], modules) -> None:
-    """Replace every full-attention layer of `cache` (a full prefill) by an H2O layer at `budget`."""
-    from kvlab.engine import queries
+def evict(model, cache, base, variant, sliding: list[bool]) -> None:
+    """Replace every full-attention layer of `cache` (a copy of the full prefill `base`) by an H2O layer at
+    the variant's budget."""
+    from kvlab.engine import attention_layers, queries
 
+    modules, recent = attention_layers(model), variant.params["recent"]
     for idx, layer in enumerate(cache.layers):
         if sliding[idx]:
             continue
-        module, cap = modules[idx], captures[idx]
+        module, cap = modules[idx], base.captures[idx]
         t = layer.keys.shape[-2]
-        capacity = max(1, int(t * budget))  # as kvpress counts kept tokens
+        capacity = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
         q = queries(module, cap.hidden_states, cap.cos, cap.sin)
         scores = received_attention(q, layer.keys, module.scaling)
         cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)
