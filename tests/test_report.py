@@ -28,7 +28,7 @@ def test_no_network_references(page):
 
 
 def test_sections_and_queries_present(page):
-    for title in ("Summary", "Accuracy vs KV bytes", "Eviction: which tokens survive", "Divergence from the full cache", "Decode throughput",
+    for title in ("Summary", "Claims", "Decision table (article §7.2), regenerated", "Accuracy vs KV bytes", "Eviction: which tokens survive", "Divergence from the full cache", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches"):
@@ -41,6 +41,8 @@ def test_sections_and_queries_present(page):
         assert f"<h3>{sub}</h3>" in page
     assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
     assert "C3 FP8 KL ≈ 1e-3 nat: holds" in page or "C3 FP8 KL ≈ 1e-3 nat: does not hold" in page
+    claims = re.findall(r"<tr><td>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
+    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 13)} <= set(claims)
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):

@@ -19,10 +19,10 @@ import pandas as pd
 import vl_convert
 
 from kvlab.io import atomic_path
+from kvlab.report.decision import KL_SAFE, TARGET, TOLERANCE_POINTS, article_comparison, c12_verdict, decision_table
 
 alt.data_transformers.disable_max_rows()  # charts are rendered here to static SVG, not shipped as data to a browser
 
-TOLERANCE_POINTS = 1.0  # "safe" = within this many accuracy points of the full cache
 
 
 def load_queries() -> dict[str, str]:
@@ -111,26 +111,64 @@ def calibration_charts(q: dict) -> str:
     )
 
 
-def calibration_verdicts(c1: pd.DataFrame, c2: pd.DataFrame) -> str:
-    items = []
+def calibration_verdicts(c1: pd.DataFrame, c2: pd.DataFrame) -> list[tuple[str, str, str]]:
+    """(claim, verdict, evidence) for C1 and C2, one per calibrated model."""
+    out = []
     for r in c1.itertuples():
         holds = r.key_pre_rope >= C1_FACTOR * r.value
-        items.append(
-            f"<li><b>C1 (key channel outliers ≫ value) on {esc(r.model)}: {'holds' if holds else 'does not hold'}</b> — "
+        out.append((
+            f"C1 (key channel outliers ≫ value) on {r.model}", "holds" if holds else "does not hold",
             f"median outlier score per head (largest channel / median channel) {r.key_pre_rope:.2f}× for keys before "
             f"RoPE, {r.key_post_rope:.2f}× after, {r.value:.2f}× for values (ratio {r.key_pre_rope / r.value:.2f}; "
-            f"largest head: keys {r.key_pre_rope_max:.1f}×, values {r.value_max:.1f}×). Rule: keys ≥ {C1_FACTOR:g}× values.</li>"
-        )
+            f"largest head: keys {r.key_pre_rope_max:.1f}×, values {r.value_max:.1f}×). Rule: keys ≥ {C1_FACTOR:g}× values.",
+        ))
     for r in c2.itertuples():
         holds = r.massive_ratio >= C2_MASSIVE and r.token0_mass_max >= C2_MASS
-        items.append(
-            f"<li><b>C2 (massive activation and attention sink on token 0) on {esc(r.model)}: "
-            f"{'holds' if holds else 'does not hold'}</b> — token 0's residual magnitude reaches {r.token0_max_abs:,.4g}, "
+        out.append((
+            f"C2 (massive activation and attention sink on token 0) on {r.model}", "holds" if holds else "does not hold",
+            f"token 0's residual magnitude reaches {r.token0_max_abs:,.4g}, "
             f"{r.massive_ratio:.0f}× every other position (layer {r.massive_layer}); token 0 takes {r.token0_mass_max:.0%} "
             f"of attention in layer {r.token0_mass_layer} and {r.token0_mass_mean:.0%} on average over layers. "
-            f"Rule: ≥ {C2_MASSIVE:g}× and ≥ {C2_MASS:.0%} in some layer.</li>"
-        )
-    return f"<ul>{''.join(items)}</ul>"
+            f"Rule: ≥ {C2_MASSIVE:g}× and ≥ {C2_MASS:.0%} in some layer.",
+        ))
+    return out
+
+
+def verdict_list(verdicts: list[tuple[str, str, str]]) -> str:
+    return "<ul>" + "".join(f"<li><b>{esc(c)}: {esc(v)}</b> — {esc(e)}</li>" for c, v, e in verdicts) + "</ul>"
+
+
+UNITS = {"KB": (1024, 1000), "MB": (1024**2, 1e6), "GB": (1024**3, 1e9)}  # the article's units, binary or decimal
+
+
+def _matches(printed: str, exact: float) -> bool:
+    """Whether `printed` (e.g. '12.5 GB + 40 MB', '≈3.1 GB', '320 KB/token') gives `exact` bytes' first term to
+    its printed precision, reading the unit as binary or decimal ('≈' allows one unit in the last digit)."""
+    m = re.search(r"([\d.]+)\s*(KB|MB|GB)", printed)
+    if m is None:
+        return False
+    value, unit = m.group(1), m.group(2)
+    decimals = len(value.split(".")[1]) if "." in value else 0
+    slack = 10 ** -decimals if "≈" in printed else 0
+    return any(abs(round(exact / base, decimals) - float(value)) <= slack + 1e-9 for base in UNITS[unit])
+
+
+def cost_verdict(costs: pd.DataFrame) -> tuple[str, str, str]:
+    """C9: each printed figure of the article's cost table against our accounting (its own convention: the
+    `article_view` total, per-token bytes), read in binary or decimal units."""
+    claim = "C9 cost table exact"
+    rows = costs[costs["article_printed"].notna()]
+    if rows.empty:
+        return claim, "not measured", "no article rows in the cost table"
+    off = []
+    for r in rows.itertuples():
+        if not _matches(r.article_printed, r.article_view):
+            off.append(f"{r.model} {r.scheme}: printed {r.article_printed}, computed {r.total_human} ({r.article_view / 1e9:.2f} GB decimal)")
+        if isinstance(r.article_printed_per_token, str) and not _matches(r.article_printed_per_token, r.bytes_per_token):
+            off.append(f"{r.model} {r.scheme}: printed {r.article_printed_per_token}, computed {r.bytes_per_token:,} B/token")
+    n = len(rows) + int(rows["article_printed_per_token"].notna().sum())
+    evidence = f"{n - len(off)} of {n} printed figures reproduced to their printed precision"
+    return claim, "holds" if not off else "does not hold", evidence + (": off — " + "; ".join(off) if off else "") + "."
 
 
 C3_KL = 0.01  # C3 holds when FP8's mean per-token KL on prose is at most this (the order of 1e-3 nat)
@@ -246,7 +284,7 @@ def quant_section(kl: pd.DataFrame, by_task: pd.DataFrame) -> str:
     if kl.empty and by_task.empty:
         return "<p>No quantized cache was configured in this run.</p>"
     acc = pooled(by_task)
-    items = "".join(f"<li><b>{esc(c)}: {esc(v)}</b> — {esc(e)}</li>" for c, v, e in quant_verdicts(kl, acc))
+    items = verdict_list(quant_verdicts(kl, acc))
     hf = _one(kl, scheme="hf_quanto", budget=1.0)
     ours = _one(kl, scheme="kivi", key_axis="channel", value_axis="token", budget=1.0)
     versus = ours.merge(hf, on=["model", "bits", "context_tokens"], suffixes=("", "_hf"))
@@ -263,7 +301,7 @@ def quant_section(kl: pd.DataFrame, by_task: pd.DataFrame) -> str:
         "decoded ones included, is stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
         "time, so every token attends to the cache as it is stored. Sliding-window layers (Gemma 3) are never "
         "quantized.</p>"
-        f"<ul>{items}</ul>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
+        + items + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
         + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
         + baseline + "<h3>Accuracy on the scored tasks</h3><p class='note'>All answers of the tasks each method ran "
         "on, pooled (a method limited by its `tasks` list is scored on those only).</p>" + table(acc)
@@ -388,7 +426,7 @@ def eviction_verdicts(acc: pd.DataFrame, kl: pd.DataFrame) -> list[tuple[str, st
 def eviction_section(acc: pd.DataFrame, kl: pd.DataFrame) -> str:
     if acc.empty and kl.empty:
         return "<p>No eviction method was configured in this run.</p>"
-    items = "".join(f"<li><b>{esc(c)}: {esc(v)}</b> — {esc(e)}</li>" for c, v, e in eviction_verdicts(acc, kl))
+    items = verdict_list(eviction_verdicts(acc, kl))
     masking = acc[acc["kept_tokens"] < acc["stored_tokens"] - 0.5]
     note = ""
     if not masking.empty:
@@ -405,7 +443,35 @@ def eviction_section(acc: pd.DataFrame, kl: pd.DataFrame) -> str:
         "H2O also evicts at every decoding step. Positions: kept keys keep their rotation and decoding continues "
         "at the prompt's length, except for methods wrapped in KeyRerotationPress (StreamingLLM's own scheme: "
         "keys re-rotated to 0…n−1, decoding from n). Sliding-window layers (Gemma 3) are never compressed.</p>"
-        f"<ul>{items}</ul>{note}" + table(pooled_modes) + "<h3>On real prose</h3>" + table(kl)
+        + items + note + table(pooled_modes) + "<h3>On real prose</h3>" + table(kl)
+    )
+
+
+def claims(q: dict) -> list[tuple[str, str, str]]:
+    """Every claim's verdict, C1 to C12 in order."""
+    out = calibration_verdicts(q["calib_c1"], q["calib_c2"])
+    out += quant_verdicts(q["quant_kl"], pooled(q["quant_accuracy"]))
+    out += eviction_verdicts(q["eviction_accuracy"], q["eviction_kl"])
+    out.append(cost_verdict(q["cost_article"]))
+    out.append(("C12 the decision table, regenerated from this run", *c12_verdict(article_comparison(q["decision"]))))
+    return sorted(out, key=lambda c: int(re.match(r"C(\d+)", c[0]).group(1)))
+
+
+def decision_section(dec: pd.DataFrame) -> str:
+    if dec.empty:
+        return "<p>No compressed method was evaluated in this run.</p>"
+    return (
+        f"<p><b>Rule:</b> a method is safe at a budget when its accuracy is within {TOLERANCE_POINTS:g} point of the "
+        f"full cache on the same answers (turns and tasks of a shape pooled), or, on prose with no answers to score, "
+        f"when its per-token KL to the full cache is at most {KL_SAFE:g} nat. Each safe method appears once, at its "
+        f"most compressed safe budget, with the compression it reached (bytes stored vs the full cache in bf16, "
+        f"measured). The article's question — 40 GB → 10 GB — asks for ≥ {TARGET:g}×.</p>"
+        + table(decision_table(dec))
+        + "<h3>Against the article's decision table</h3><p class='note'>Each recommendation of the article's "
+        "table that this run can test, on the task shape that stands for its workload. Methods are recognized by "
+        "what they store (INT4: 4-bit KIVI without eviction; FP8 + SnapKV 25%: FP8 storage of SnapKV's 25%), not by "
+        "name. A 'safe' statement agrees when some such method is safe; a 'not safe' statement when none is.</p>"
+        + table(article_comparison(dec))
     )
 
 
@@ -475,6 +541,9 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         f"<p class='note'>Generated from results/kvlab.duckdb · config {esc(prov.get('config_hash'))} · "
         f"preset {esc(prov.get('preset'))} · commit {esc(prov.get('git_commit', '')[:12])}</p>",
         section("Summary", summary(q["versus_full"], q["models"], q["accuracy"]), queries["versus_full"]),
+        section("Claims", "<p>Each claim of the study with its verdict on this run, the number behind it and the "
+                "rule used; the sections below show the rows (queries under each).</p>" + table(pd.DataFrame(claims(q), columns=["claim", "verdict", "evidence"]))),
+        section("Decision table (article §7.2), regenerated", decision_section(q["decision"]), queries["decision"]),
         section(
             "Accuracy vs KV bytes",
             svg(accuracy_chart(q["accuracy_bytes"]))
@@ -491,7 +560,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             "Calibration: what the cache and attention look like",
             "<p>Each model read prose the tasks never use (the last tenth of the King James Bible); one forward "
             "pass per sequence, attention weights computed for a subset of query positions.</p>"
-            + calibration_verdicts(q["calib_c1"], q["calib_c2"]) + calibration_charts(q)
+            + verdict_list(calibration_verdicts(q["calib_c1"], q["calib_c2"])) + calibration_charts(q)
             + "<h3>Secondary sinks</h3><p class='note'>Positions other than token 0 that take at least the sink "
             "threshold of a layer's attention in some sequence (no rows: none found).</p>"
             + table(q["calib_secondary_sinks"])

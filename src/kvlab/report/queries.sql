@@ -51,6 +51,28 @@ WHERE metric = 'none' AND question_mode = 'agnostic' AND method_kind IN ('kvpres
 GROUP BY ALL
 ORDER BY model, method, budget DESC, context_tokens;
 
+-- name: decision
+-- The decision table's input: per task shape, question mode, method and budget, accuracy beside the full
+-- cache on the same answers (turns pooled), or per-token KL on prose; and the bytes stored as a fraction of
+-- the full cache in bf16.
+WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
+reference AS (
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
+)
+SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
+       avg(score) AS accuracy, avg(full_score) AS full_accuracy, count(*) AS rows,
+       avg(1 / compression_vs_bf16) AS kv_fraction_bf16, NULL::DOUBLE AS kl_mean_nats
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+WHERE method_kind <> 'full'
+GROUP BY ALL
+UNION ALL BY NAME
+SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
+       count(*) AS rows, avg(1 / compression_vs_bf16) AS kv_fraction_bf16, avg(kl_vs_full) AS kl_mean_nats
+FROM eval
+WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
+GROUP BY ALL
+ORDER BY model, shape, question_mode, method, budget DESC;
+
 -- name: versus_full
 -- Each compressed variant against the full cache on the same samples: accuracy change in points.
 WITH scored AS (

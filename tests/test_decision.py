@@ -1,0 +1,86 @@
+"""The decision table and its comparison with the article, on hand-made result tables; C9 on the cost rows."""
+
+import pandas as pd
+import pytest
+
+from kvlab.report.build import _matches, cost_verdict
+from kvlab.report.decision import article_comparison, c12_verdict, decision_table
+
+
+def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None, scheme=None, bits=None, press=None,
+        kind="kvpress", rows=6):
+    return {"model": "m", "shape": shape, "question_mode": mode, "method": method, "method_kind": kind, "press": press,
+            "wrapper": None, "scheme": scheme, "bits": bits, "key_axis": "channel" if scheme == "kivi" else None,
+            "budget": budget, "accuracy": accuracy if kl is None else None, "full_accuracy": full if kl is None else None,
+            "rows": rows, "kv_fraction_bf16": fraction if fraction is not None else budget, "kl_mean_nats": kl}
+
+
+def test_decision_table_lists_safe_methods_at_their_most_compressed_budget():
+    dec = pd.DataFrame([
+        row("snapkv", "single needle", "aware", 0.5, 1.0, press="SnapKVPress"),
+        row("snapkv", "single needle", "aware", 0.25, 1.0, press="SnapKVPress"),
+        row("snapkv", "single needle", "aware", 0.1, 0.5, press="SnapKVPress"),  # outside tolerance
+        row("kivi4", "single needle", "aware", 1.0, 1.0, fraction=0.35, scheme="kivi", bits=4, kind="quant"),
+        row("h2o", "single needle", "aware", 0.5, 0.83, kind="h2o"),  # 17 points down at its best
+        row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, fraction=0.35, scheme="kivi", bits=4, kind="quant"),
+        row("kivi2", "prose", "agnostic", 1.0, None, kl=0.15, fraction=0.23, scheme="kivi", bits=2, kind="quant"),
+        row("snapkv", "reasoning", "agnostic", 0.5, 0.0, full=0.0, press="SnapKVPress"),
+    ])
+    t = decision_table(dec).set_index(["shape", "question mode"])
+    needle = t.loc[("single needle", "aware")]
+    assert needle["safe (most compression first)"] == "snapkv@0.25 (4.0×), kivi4 (2.9×)"
+    assert needle["best safe compression"] == "4.0×" and needle["safe at ≥ 4×"] == "snapkv@0.25 (4.0×)"
+    assert needle["not safe at any budget"] == "h2o" and needle["full cache"] == "100%"
+    prose = t.loc[("prose", "agnostic")]
+    assert prose["safe (most compression first)"] == "kivi4 (2.9×)" and prose["not safe at any budget"] == "kivi2"
+    assert t.loc[("reasoning", "agnostic")]["safe (most compression first)"].startswith("— (the full cache scores 0%")
+
+
+def comparison_rows(int4=1.0, fp8_snap=1.0, h2o=0.2, mt_int4=1.0, mt_evict=0.0):
+    return pd.DataFrame([
+        row("kivi4", "single needle", "aware", 1.0, int4, scheme="kivi", bits=4, kind="quant"),
+        row("snapkv_fp8", "single needle", "aware", 0.25, fp8_snap, scheme="fp8", bits=8, press="SnapKVPress", kind="quant"),
+        row("h2o", "single needle", "aware", 0.25, h2o, kind="h2o"),
+        row("kivi4", "multi-turn", "multi_turn", 1.0, mt_int4, scheme="kivi", bits=4, kind="quant"),
+        row("snapkv", "multi-turn", "multi_turn", 0.25, mt_evict, press="SnapKVPress"),
+        row("snapkv", "multi-turn", "agnostic", 0.25, mt_evict, press="SnapKVPress"),
+    ])
+
+
+def test_article_comparison_agrees_where_the_data_say_what_the_article_says():
+    out = article_comparison(comparison_rows()).set_index(["our shape", "article says"])["this run"]
+    assert out[("single needle", "INT4 KV is safe")] == "agrees"
+    assert out[("single needle", "FP8 + SnapKV 25% is safe")] == "agrees"
+    assert out[("single needle", "H2O is not safe")] == "agrees"
+    assert out[("multi-turn", "no eviction is safe")] == "agrees"
+    assert out[("recency", "StreamingLLM is safe")] == "not measured"
+    verdict, evidence = c12_verdict(article_comparison(comparison_rows()))
+    assert verdict == "holds" and evidence.startswith("5 of 5 testable statements agree")
+
+
+@pytest.mark.parametrize("change,statement", [
+    ({"int4": 0.5}, "INT4 KV is safe"), ({"h2o": 1.0}, "H2O is not safe"), ({"mt_evict": 1.0}, "no eviction is safe"),
+])
+def test_article_comparison_disagrees_where_the_data_contradict(change, statement):
+    comparison = article_comparison(comparison_rows(**change))
+    assert "disagrees" in set(comparison.loc[comparison["article says"] == statement, "this run"])
+    verdict, evidence = c12_verdict(comparison)
+    assert verdict == "does not hold" and statement in evidence
+
+
+def test_printed_figures_read_in_binary_or_decimal_units():
+    assert _matches("40 GB", 40 * 1024**3) and _matches("320 KB/token", 327_680)
+    assert _matches("70 KB/token", 70_272)  # 70.3 decimal kB
+    assert _matches("12.5 GB + 40 MB", 12.539 * 1024**3) and not _matches("12.5 GB", 12.7 * 1024**3)
+    assert _matches("≈3.1 GB", 3.164 * 1024**3) and not _matches("3.1 GB", 3.164 * 1024**3)
+    assert not _matches("8.8 GB", 9_210_691_584)  # 8.58 GiB, 9.21 GB: neither prints as 8.8
+
+
+def test_cost_verdict_names_the_figures_it_cannot_reproduce():
+    from kvlab.kernels.accounting import article_cost_table
+
+    rows = pd.DataFrame(article_cost_table())
+    claim, verdict, evidence = cost_verdict(rows)
+    assert verdict == "does not hold" and "DeepSeek-V3 bf16: printed 8.8 GB" in evidence
+    llama = rows[rows["model"] == "Llama-3.1-70B"]
+    assert cost_verdict(llama)[1] == "holds"
