@@ -5,10 +5,10 @@ import json
 import re
 import shutil
 import subprocess
-
-import pytest
+from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from kvlab.report.build import build, eviction_verdicts, load_queries, pooled, quant_verdicts
 
@@ -52,18 +52,53 @@ def test_title_from_config_is_escaped(smoke_run, tmp_path):
     assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make test installs it when run as root)")
-def test_renders_in_headless_chromium_offline(smoke_run, tmp_path):
+def chromium(page: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """Headless Debian chromium on a local page, with no network at all where `unshare -n` works; its
+    console goes to stderr and every request it makes to a net log."""
     cmd = [
         CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", (smoke_run / "results" / "report.html").as_uri(),
+        f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+        f"--log-net-log={tmp_path / 'net.json'}", *extra, page.as_uri(),
     ]
     if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0:
-        cmd = ["unshare", "-n", *cmd]  # no network at all: the page must not need it
-    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=120).stdout
-    assert '<svg' in dom and 'class="marks"' in dom  # the chart drew
-    assert "Accuracy vs KV budget" in dom
+        cmd = ["unshare", "-n", *cmd]  # no network: the page must not need it
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def rendered(page: Path, tmp_path: Path) -> tuple[str, list[str], list[str]]:
+    """(DOM after rendering, console messages from the page, URLs the page itself requested). Chromium's own
+    background requests carry the initiator 'not an origin'; a file:// page's requests carry 'null'."""
+    proc = chromium(page, tmp_path, "--dump-dom")
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line and f"source: {page.as_uri()}" in line]
+    log = json.loads((tmp_path / "net.json").read_text())
+    start = log["constants"]["logEventTypes"]["URL_REQUEST_START_JOB"]
+    requests = [e["params"]["url"] for e in log["events"]
+                if e["type"] == start and "url" in e.get("params", {}) and e["params"].get("initiator") != "not an origin"]
+    return proc.stdout, console, requests
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make test installs it when run as root)")
+def test_browser_check_sees_requests_and_console_errors(tmp_path):
+    """The checks below can fail: a page that fetches an image and logs an error is caught on both counts."""
+    bad = tmp_path / "bad.html"
+    bad.write_text('<html><body><img src="http://example.invalid/x.png"><script>console.error("boom")</script></body></html>')
+    _, console, requests = rendered(bad, tmp_path)
+    assert requests == ["http://example.invalid/x.png"]
+    assert len(console) == 1 and '"boom"' in console[0]
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make test installs it when run as root)")
+def test_renders_in_headless_chromium_offline(smoke_run, tmp_path):
+    report = smoke_run / "results" / "report.html"
+    dom, console, requests = rendered(report, tmp_path)
+    charts = report.read_text().count("<svg")
+    assert charts >= 5 and dom.count('class="marks"') == charts  # every chart drew
+    assert "<h2>Accuracy vs KV bytes</h2>" in dom and "<h2>Claims</h2>" in dom
+    assert console == [] and requests == []
+    shot = smoke_run / "results" / "report.png"  # kept beside the report for inspection
+    chromium(report, tmp_path / "shot", f"--screenshot={shot}", "--window-size=1280,4000")
+    assert shot.stat().st_size > 10_000 and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_calibration_heatmap_renders_beyond_altair_row_limit():

@@ -480,9 +480,9 @@ def section(title: str, body: str, sql: str | None = None) -> str:
     return f"<section><h2>{esc(title)}</h2>{body}{query}</section>"
 
 
-def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> str:
-    """The grid in one sentence, then one line per (model, task, context, question mode): for each method
-    the smallest measured budget that stays within TOLERANCE_POINTS of the full cache."""
+def summary(models: pd.DataFrame, acc: pd.DataFrame, dec: pd.DataFrame) -> str:
+    """The grid in one sentence, then the article's question answered per task shape and question mode:
+    which methods reach ≥ TARGET× fewer bytes than bf16 and stay safe (the decision table's rule)."""
     names = ", ".join(models["name"])
     grid = (
         f"tasks {', '.join(sorted(acc['task'].unique()))}; context {', '.join(map(str, sorted(acc['context_tokens'].unique())))} "
@@ -491,22 +491,45 @@ def summary(versus: pd.DataFrame, models: pd.DataFrame, acc: pd.DataFrame) -> st
         f"question modes "
         f"{', '.join(sorted(acc['question_mode'].unique()))}"
     )
+    items = []
+    for _, r in decision_table(dec).iterrows():
+        where, safe, reach = f"{r['shape']} ({r['question mode']})", r["safe (most compression first)"], r[f"safe at ≥ {TARGET:g}×"]
+        if safe.startswith("—"):
+            items.append(f"<li>{esc(where)}: the full cache itself scores 0% — nothing to judge.</li>")
+        elif reach != "none":
+            items.append(f"<li>{esc(where)}: <b>{esc(reach)}</b></li>")
+        else:
+            best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing safe at any budget)"
+            items.append(f"<li>{esc(where)}: none at ≥ {TARGET:g}×{esc(best)}</li>")
+    return (
+        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
+        f"<p><b>The article's question — 40 GB → 10 GB, which method is safe on which task?</b> On this run, the "
+        f"methods that stored at most 1/{TARGET:g} of the full cache's bf16 bytes and stayed within "
+        f"{TOLERANCE_POINTS:g} accuracy point of it (on prose: KL ≤ {KL_SAFE:g} nat), by task shape and question "
+        f"mode (measured compression in brackets):</p><ul>{''.join(items)}</ul>"
+        "<p class='note'>The decision table below gives every safe method; the claims table gives each of the "
+        "study's claims its verdict.</p>"
+    )
+
+
+def safe_budgets(versus: pd.DataFrame) -> str:
+    """One line per (model, task, context, question mode): for each method the smallest measured budget that
+    stays within TOLERANCE_POINTS of the full cache."""
     rows = []
     for (model, task, ctx, mode), g in versus.groupby(["model", "task", "context_tokens", "question_mode"], sort=True):
         full = g["full_accuracy"].iloc[0]
+        if full == 0:
+            continue
         row = {"model": model, "task": task, "context": ctx, "question": mode, "full cache": f"{full:.0%}"}
         for method, m in g.groupby("method"):
             safe = m[m["delta_points"] >= -TOLERANCE_POINTS]
-            if full == 0:
-                row[method] = "— (full cache fails)"
-            else:
-                row[method] = f"{safe['budget'].min():g}" if len(safe) else "not safe"
+            row[method] = f"{safe['budget'].min():g}" if len(safe) else "not safe"
         rows.append(row)
     return (
-        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
         f"<p>Each method's column gives the smallest fraction of the KV cache it kept while staying within "
-        f"{TOLERANCE_POINTS:g} accuracy point of the full cache on the same samples ('not safe': no measured "
-        f"budget did). Per-budget accuracies are in the next section.</p>" + table(pd.DataFrame(rows))
+        f"{TOLERANCE_POINTS:g} accuracy point of the full cache on the same samples (1: a method that evicts "
+        f"nothing; 'not safe': no measured budget did; tasks the full cache fails are left out).</p>"
+        + table(pd.DataFrame(rows))
     )
 
 
@@ -540,7 +563,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         f"<h1>{esc(title)}</h1>",
         f"<p class='note'>Generated from results/kvlab.duckdb · config {esc(prov.get('config_hash'))} · "
         f"preset {esc(prov.get('preset'))} · commit {esc(prov.get('git_commit', '')[:12])}</p>",
-        section("Summary", summary(q["versus_full"], q["models"], q["accuracy"]), queries["versus_full"]),
+        section("Summary", summary(q["models"], q["accuracy"], q["decision"]), queries["decision"]),
         section("Claims", "<p>Each claim of the study with its verdict on this run, the number behind it and the "
                 "rule used; the sections below show the rows (queries under each).</p>" + table(pd.DataFrame(claims(q), columns=["claim", "verdict", "evidence"]))),
         section("Decision table (article §7.2), regenerated", decision_section(q["decision"]), queries["decision"]),
@@ -551,8 +574,9 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
             "counted in bf16 (quantized codes and metadata as stored). Question agnostic: the context was compressed "
             "before the question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's "
             "observation window). multi_turn: a later question on the cache compressed for the first.</p>"
-            + table(q["accuracy"]),
-            queries["accuracy_bytes"] + "\n\n" + queries["accuracy"],
+            + "<h3>Smallest safe budget per task</h3>" + safe_budgets(q["versus_full"])
+            + "<h3>Accuracy per task, method and budget</h3>" + table(q["accuracy"]),
+            queries["accuracy_bytes"] + "\n\n" + queries["versus_full"] + "\n\n" + queries["accuracy"],
         ),
         section("Eviction: which tokens survive", eviction_section(q["eviction_accuracy"], q["eviction_kl"]),
                 queries["eviction_accuracy"] + "\n\n" + queries["eviction_kl"]),
