@@ -36,6 +36,7 @@ def test_sections_and_queries_present(page):
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
                                    "tasks", "cost_article", "provenance", "timings"}
+    assert "evaluation device" in page and "model sha256: tiny-qwen2" in page and "<h3>Wall time per rule</h3>" in page
     assert "multi_turn · turn 2" in page  # the second turn is reported as its own task line
     for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
         assert f"<h3>{sub}</h3>" in page

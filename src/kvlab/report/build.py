@@ -636,7 +636,9 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         ),
         section("Models", table(q["models"]), queries["models"]),
         section("Task suite", TASK_NOTE + table(q["tasks"]), queries["tasks"]),
-        section("Provenance", table(q["provenance"]) + "<h3>Wall time per job</h3>" + table(q["timings"]), queries["timings"]),
+        section("Provenance", table(q["provenance"]) + "<h3>Wall time per rule</h3>" + table(q["rule_times"])
+                + "<h3>Wall time per job</h3>" + table(q["timings"]),
+                queries["provenance"] + "\n\n" + queries["rule_times"] + "\n\n" + queries["timings"]),
     ]
     page = (
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"

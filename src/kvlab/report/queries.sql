@@ -179,7 +179,18 @@ FROM models ORDER BY name;
 SELECT job, s AS wall_s, max_rss AS max_rss_mb FROM benchmarks ORDER BY job;
 
 -- name: provenance
-SELECT key, value FROM provenance ORDER BY key;
+-- What produced this report: config hash, preset, package versions, git commit, each model's weights
+-- (sha256) and the device and dtype the evaluation ran on.
+SELECT key, value FROM provenance
+UNION ALL SELECT 'evaluation device', string_agg(DISTINCT device, '; ') FROM eval
+UNION ALL SELECT 'evaluation dtype', string_agg(DISTINCT dtype, '; ') FROM eval
+UNION ALL SELECT 'model sha256: ' || name, sha256 FROM models
+ORDER BY key;
+
+-- name: rule_times
+-- Wall time per rule: the jobs' Snakemake benchmark files summed by rule.
+SELECT split_part(job, '/', 1) AS rule, count(*) AS jobs, sum(s) AS wall_s, max(max_rss) AS max_rss_mb
+FROM benchmarks GROUP BY ALL ORDER BY wall_s DESC;
 
 -- name: calib_c1
 -- C1: per (layer, KV head) outlier score = largest channel absmax / median channel absmax; median over heads.
