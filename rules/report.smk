@@ -3,6 +3,8 @@ rule report:
         db="results/kvlab.duckdb",
     output:
         html=report("results/report.html", caption="../workflow/report.rst", category="Report"),
+        accuracy_vs_kv_bytes=report("results/figures/accuracy_vs_kv_bytes.svg", caption="../workflow/report_accuracy.rst", category="Figures"),
+        kl_vs_bits=report("results/figures/kl_vs_bits.svg", caption="../workflow/report_kl.rst", category="Figures"),
     params:
         title=config["report"]["title"],
     log:

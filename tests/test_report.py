@@ -235,3 +235,17 @@ def test_eviction_verdicts_say_not_measured_without_the_methods():
                                   "press_kwargs", "budget", "depth", "accuracy", "full_accuracy", "rows"])
     out = eviction_verdicts(empty, pd.DataFrame(columns=KL_COLUMNS))
     assert [v for _, v, _ in out] == ["not measured"] * 4
+
+
+def test_snakemake_report_bundles_the_page_and_key_figures(smoke_run, tmp_path):
+    import zipfile
+
+    from conftest import snakemake
+
+    proc = snakemake(smoke_run, "--report", str(tmp_path / "report.zip"), "--config", "preset=smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = zipfile.ZipFile(tmp_path / "report.zip").namelist()
+    for wanted in ("report.html", "accuracy_vs_kv_bytes.svg", "kl_vs_bits.svg"):
+        assert any(n.endswith(wanted) for n in names), (wanted, names[:20])
+    for name in ("accuracy_vs_kv_bytes", "kl_vs_bits"):
+        assert (smoke_run / "results" / "figures" / f"{name}.svg").read_text().startswith("<svg")

@@ -1,7 +1,8 @@
-"""Rule report: results/kvlab.duckdb → results/report.html (self-contained, offline)."""
+"""Rule report: results/kvlab.duckdb → results/report.html (self-contained, offline) and the key figures as SVG."""
 
 from kvlab.io import log_to
-from kvlab.report.build import build
+from kvlab.report.build import FIGURES, build
 
 log_to(snakemake.log[0])  # noqa: F821
-build(snakemake.input.db, snakemake.output.html, snakemake.params.title)  # noqa: F821
+figures = {name: getattr(snakemake.output, name) for name in FIGURES}  # noqa: F821
+build(snakemake.input.db, snakemake.output.html, snakemake.params.title, figures)  # noqa: F821

@@ -551,13 +551,18 @@ details{margin:.3em 0 1em}td.long{text-align:left;min-width:28em;font-size:12px}
 """
 
 
-def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
+FIGURES = ("accuracy_vs_kv_bytes", "kl_vs_bits")  # the key figures also written as files (for snakemake --report)
+
+
+def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[str, str | Path] | None = None) -> None:
+    """Write the report page; with `figures` (name in FIGURES → path), also each key figure as an SVG file."""
     queries = load_queries()
     con = duckdb.connect(str(db_path), read_only=True)
     try:
         q = {name: con.execute(sql).df() for name, sql in queries.items()}
     finally:
         con.close()
+    charts = {"accuracy_vs_kv_bytes": svg(accuracy_chart(q["accuracy_bytes"])), "kl_vs_bits": svg(kl_bits_chart(q["quant_kl"]))}
     prov = dict(zip(q["provenance"]["key"], q["provenance"]["value"]))
     parts = [
         f"<h1>{esc(title)}</h1>",
@@ -569,7 +574,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         section("Decision table (article §7.2), regenerated", decision_section(q["decision"]), queries["decision"]),
         section(
             "Accuracy vs KV bytes",
-            svg(accuracy_chart(q["accuracy_bytes"]))
+            charts["accuracy_vs_kv_bytes"]
             + "<p class='note'>x: bytes the method stored after compression over the full cache's bytes, both "
             "counted in bf16 (quantized codes and metadata as stored). Question agnostic: the context was compressed "
             "before the question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's "
@@ -644,5 +649,8 @@ def build(db_path: str | Path, out_path: str | Path, title: str) -> None:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{esc(title)}</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
     )
+    for name, path in (figures or {}).items():
+        with atomic_path(path) as tmp:
+            tmp.write_text(charts[name], encoding="utf-8")
     with atomic_path(out_path) as tmp:
         tmp.write_text(page, encoding="utf-8")
