@@ -47,18 +47,23 @@ def calibration_tables():
     return [f"results/calibration/{model}/{table}.parquet" for model in MODELS for table in CALIBRATION_TABLES]
 
 
+def methods_for(task=None):
+    """The configured methods that run on `task` (a method's optional `tasks` list); all without a task."""
+    return {name: m for name, m in config["methods"].items() if task is None or task in m.get("tasks", [task])}
+
+
 def calibration_inputs(wildcards):
     """The model's calibration, for jobs whose methods take a value from it (e.g. `n_sink: calibrated`)."""
-    if uses_calibration(config["methods"]):
+    if uses_calibration(methods_for(getattr(wildcards, "task", None))):
         return [f"results/calibration/{wildcards.model}/{table}.parquet" for table in CALIBRATION_TABLES]
     return []
 
 
-def run_params():
-    """The evaluation knobs every measuring job receives (threads are added from the job)."""
-    return {
-        key: config[key] for key in ("methods", "budgets", "question_modes", "max_new_tokens", "dtype", "device")
-    }
+def run_params(task=None):
+    """The evaluation knobs a measuring job receives (threads are added from the job). With `task`, only the
+    methods that run on it, so adding a method limited to some tasks reruns only those tasks' jobs."""
+    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "dtype", "device")}
+    return {"methods": methods_for(task), **run}
 
 
 def model_dirs():

@@ -6,7 +6,7 @@ rule evaluate:
         rows="results/eval/{model}/{task}/{ctx}.parquet",
     params:
         task=lambda w: config["tasks"][w.task],
-        run=lambda w: run_params(),
+        run=lambda w: run_params(w.task),
     log:
         "logs/evaluate/{model}/{task}/{ctx}.log",
     benchmark:

@@ -34,7 +34,7 @@ rule engine_vs_pipeline:
     params:
         bench=config["benchmark"],
         task=config["tasks"][config["benchmark"]["task"]],
-        run=lambda w: run_params(),
+        run=lambda w: run_params(config["benchmark"]["task"]),
     log:
         "logs/engine_vs_pipeline/{model}/{ctx}.log",
     benchmark:

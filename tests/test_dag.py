@@ -1,6 +1,7 @@
 """The whole workflow on the tiny model in a temp directory: every rule runs, rows land in DuckDB,
 the report is written, and a second run has nothing to do."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,14 +31,18 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     config = smoke_config()
     per_method = {name: len(config["budgets"]) if evicts(m) else 1 for name, m in config["methods"].items()}
     n_variants = sum(per_method.values())
-    n_presses = sum(n for name, n in per_method.items() if config["methods"][name]["kind"] in ("full", "kvpress"))
+    n_presses = sum(n for name, n in per_method.items()
+                    if config["methods"][name]["kind"] in ("full", "kvpress") and "wrapper" not in config["methods"][name])
     assert any("tasks" in m for m in config["methods"].values())  # the smoke preset exercises the task filter
-    modes = len(config["question_modes"])
+    assert config["question_modes"] == ["agnostic", "aware", "multi_turn"]
     for task, spec in config["tasks"].items():
         turns = 2 if spec["kind"] == "multi_turn" else 1
+        per_variant = turns + 1 + (turns - 1)  # agnostic: every turn; aware: turn 1; multi_turn: the later turns
         here = sum(n for name, n in per_method.items() if task in config["methods"][name].get("tasks", [task]))
         rows = con.execute("SELECT count(*), count(DISTINCT sample_id) FROM eval WHERE task = ?", [task]).fetchone()
-        assert rows == (expected_samples(spec) * here * modes * turns, expected_samples(spec)), task
+        assert rows == (expected_samples(spec) * here * per_variant, expected_samples(spec)), task
+        modes = {m for (m,) in con.execute("SELECT DISTINCT question_mode FROM eval WHERE task = ?", [task]).fetchall()}
+        assert modes == ({"agnostic", "aware", "multi_turn"} if turns > 1 else {"agnostic", "aware"}), task
     cols = {r[0] for r in con.execute("DESCRIBE eval").fetchall()}
     assert {"model", "task", "task_kind", "context_tokens", "depth", "seed", "method", "budget", "question_mode",
             "turn", "prediction", "score", "kv_bytes", "kl_vs_full", "nll", "ppl", "prefill_s", "decode_s",
@@ -93,3 +98,16 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
 def test_lint_is_clean():
     proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path):
+    """Evaluation jobs receive only the methods that run on their task: adding one for `recency` plans that
+    evaluation alone (then collect and report)."""
+    config = yaml.safe_load((smoke_run / "config.yaml").read_text())
+    config["presets"]["smoke"]["methods"]["knorm"] = {"kind": "kvpress", "press": "KnormPress", "tasks": ["recency"]}
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump(config))
+    proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules", "--configfile", str(tmp_path / "more.yaml"),
+                     "--config", "preset=smoke")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout + proc.stderr, flags=re.M))
+    assert counts.get("evaluate") == "1" and "calibrate" not in counts, proc.stdout[-2000:]

@@ -352,3 +352,22 @@ def test_every_configured_eviction_method_keeps_its_budget_and_window(tiny, samp
 def kept_rows(keys: torch.Tensor, wanted: torch.Tensor) -> bool:
     """Whether every key vector of `wanted` (1, H, w, D) is among `keys` (1, H, n, D), head by head."""
     return bool((keys[..., None, :, :] == wanted[..., :, None, :]).all(-1).any(-1).all())
+
+
+def test_layer_budgets_average_the_budget_and_follow_the_weights():
+    from kvlab.methods import layer_budgets
+
+    b = layer_budgets(0.25, [1.0, 3.0, 2.0, 2.0], [False] * 4)
+    assert b == pytest.approx([0.125, 0.375, 0.25, 0.25])
+    capped = layer_budgets(0.5, [1.0, 10.0, 1.0, 5.0], [False, False, False, True])  # layer 3 is sliding: left alone
+    assert capped[1] == 1.0 and capped[3] == 1.0 and capped[0] == capped[2] == pytest.approx(0.25)
+    assert sum(capped[:3]) / 3 == pytest.approx(0.5)
+
+
+def test_calibrated_layer_budgets_keep_more_where_the_weight_is_higher(tiny, sample):
+    model, _ = tiny
+    base = prefill(model, sample.prompt.context)
+    spec = {**SNAP, "layer_budgets": [0.5, 1.5]}  # what with_calibration reads from layer_budget.parquet
+    cache = compress(model, base, Variant("snap_cal", "kvpress", 0.25, spec))
+    kept = [layer.keys.shape[-2] for layer in cache.layers]
+    assert kept == [int(base.length * 0.125), int(base.length * 0.375)]

@@ -104,8 +104,9 @@ def _check_semantics(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'methods.{name}.tasks': the full reference runs on every task; remove it")
         if method["kind"] == "quant":
             _check_quant(name, method, where)
-        if "wrapper" in method and "press" not in method:
-            raise ConfigError(f"{where}: key 'methods.{name}.wrapper': wraps a press; add `press` (e.g. SnapKVPress)")
+        for key in ("wrapper", "layer_budgets"):
+            if key in method and "press" not in method:
+                raise ConfigError(f"{where}: key 'methods.{name}.{key}': applies to a press; add `press` (e.g. SnapKVPress)")
         if "press" in method:
             press = method["press"]
             if press not in presses:
@@ -125,6 +126,8 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'methods.{name}.kwargs.{key}': 'calibrated' is only available for n_sink "
                         "(StreamingLLM's sink count from calibration)"
                     )
+            if method.get("layer_budgets") and press == "PyramidKVPress":
+                raise ConfigError(f"{where}: key 'methods.{name}.layer_budgets': PyramidKVPress sets its own per-layer budgets; use it with SnapKVPress or another press")
             if "compression_ratio" in method.get("kwargs", {}):
                 raise ConfigError(
                     f"{where}: key 'methods.{name}.kwargs.compression_ratio': set by `budgets`, remove it here"

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
 from kvlab.kernels import accounting, kvcache
-from kvlab.methods import EVICTORS, Variant
+from kvlab.methods import EVICTORS, Variant, layer_budgets
 from kvlab.methods.quantized import layouts, quantize_layers
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
@@ -146,9 +146,14 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     if press is not None:
         press.post_init_from_model(model)
         cache_position = torch.arange(base.length, device=model.device)
+        sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
+        weights = variant.params.get("layer_budgets")  # calibrated per-layer weights: one budget per layer
+        per_layer = layer_budgets(variant.budget, weights, sliding) if weights is not None else None
         for idx, module in enumerate(attention_layers(model)):
-            if is_sliding(model, idx):
+            if sliding[idx]:
                 continue
+            if per_layer is not None:
+                press.compression_ratio = 1.0 - per_layer[idx]
             module.rotary_emb = language_model(model).rotary_emb  # as kvpress's hooks set it (KeyRerotationPress reads it)
             cap = base.captures[idx]
             layer = cache.layers[idx]

@@ -77,7 +77,25 @@ def uses_calibration(methods: dict) -> bool:
 
     return any(
         v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values()
-    ) or any(needs_calibration(m) for m in methods.values())
+    ) or any(needs_calibration(m) or m.get("layer_budgets") == CALIBRATED for m in methods.values())
+
+
+def layer_budgets(budget: float, weights: list[float], sliding: list[bool]) -> list[float]:
+    """Per-layer fractions kept whose mean over the compressed (non-sliding) layers is `budget`, in proportion
+    to `weights` (calibration's `layer_budget.budget_weight`: how many keys a layer's attention needs); a layer
+    never keeps more than all its tokens — what it cannot take is shared among the others in proportion."""
+    idx = [i for i, s in enumerate(sliding) if not s]
+    w = {i: max(float(weights[i]), 1e-6) for i in idx}
+    out, free, total = {}, set(idx), budget * len(idx)
+    while free:
+        scale = (total - sum(out.values())) / sum(w[i] for i in free)
+        full = {i for i in free if w[i] * scale >= 1.0}
+        if not full:
+            out.update({i: w[i] * scale for i in free})
+            break
+        out.update({i: 1.0 for i in full})
+        free -= full
+    return [out.get(i, 1.0) for i in range(len(sliding))]
 
 
 def with_calibration(methods: dict, calibration_dir) -> dict:
@@ -99,6 +117,9 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
         out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else dict(spec)
         if needs_calibration(spec):
             out[name]["calibration"] = str(calibration_dir)
+        if spec.get("layer_budgets") == CALIBRATED:
+            table = pd.read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
+            out[name]["layer_budgets"] = [float(w) for w in table["budget_weight"]]
     return out
 
 
