@@ -48,7 +48,21 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
             "turn", "prediction", "score", "kv_bytes", "kl_vs_full", "nll", "ppl", "prefill_s", "decode_s",
             "decode_batch"} <= cols
     assert con.execute("SELECT DISTINCT model FROM eval").fetchall() == [("tiny-qwen2",)]
-    assert con.execute("SELECT count(*) FROM eval WHERE kv_bytes <> kv_bytes_formula").fetchone() == (0,)
+    # Bytes are read from the stored tensors. Dense rows: tokens held × 512 B (2 layers × K,V × 2 KV heads × 16
+    # dims × fp32); the formula prices what the budget asks, so it matches wherever every layer and head keeps
+    # exactly that — not PyramidKV's per-layer split, and not AdaKV, which masks keys and frees nothing.
+    dense = "scheme IS NULL"
+    assert con.execute(f"SELECT count(*) FROM eval WHERE {dense} AND kv_bytes <> 512 * kv_tokens_mean").fetchone() == (0,)
+    per_layer = "press = 'PyramidKVPress' OR layer_budgets"  # budgets split by layer
+    masks = "kv_kept_mean < kv_tokens_mean"
+    exact = f"NOT coalesce({per_layer}, false) AND NOT {masks}"
+    assert con.execute(f"SELECT count(*) FROM eval WHERE {exact} AND kv_bytes <> kv_bytes_formula").fetchone() == (0,)
+    masked = con.execute(f"SELECT DISTINCT method, kv_tokens_mean = compressed_tokens FROM eval WHERE {masks}").fetchall()
+    assert masked == [("adakv", True)]  # every prompt token still stored
+    # per-layer budgets (PyramidKV, calibrated layer budgets) round per layer: under one token (256 B) per layer off
+    split = con.execute(f"SELECT DISTINCT method FROM eval WHERE ({per_layer}) AND NOT {masks}").fetchall()
+    assert sorted(split) == [("pyramidkv",), ("snapkv_layers",)]
+    assert con.execute(f"SELECT max(abs(kv_bytes - kv_bytes_formula)) <= 2 * 256 FROM eval WHERE ({per_layer}) AND NOT {masks}").fetchone() == (True,)
     # every quantized cache of our own is measured and priced; transformers' baseline is measured only
     assert con.execute("SELECT count(*) FROM eval WHERE kv_bytes_formula IS NULL AND scheme <> 'hf_quanto'").fetchone() == (0,)
     assert con.execute("SELECT min(compression_vs_bf16) > 1 FROM eval WHERE scheme IS NOT NULL").fetchone() == (True,)
@@ -105,7 +119,7 @@ def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path)
     evaluation alone (then collect and report)."""
     config = yaml.safe_load((smoke_run / "config.yaml").read_text())
     config["presets"]["smoke"]["methods"]["knorm"] = {"kind": "kvpress", "press": "KnormPress", "tasks": ["recency"]}
-    (tmp_path / "more.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "more.yaml").write_text(yaml.safe_dump(config, sort_keys=False))  # key order is part of the params
     proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules", "--configfile", str(tmp_path / "more.yaml"),
                      "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -615,6 +615,7 @@ def evaluate_sample(
                     "press": variant.params.get("press"),
                     "wrapper": variant.params.get("wrapper"),
                     "press_kwargs": json.dumps(variant.params["kwargs"], sort_keys=True) if "press" in variant.params else None,
+                    "layer_budgets": "layer_budgets" in variant.params,  # per-layer budgets from calibration
                     **variant.storage,
                     "budget": variant.budget,
                     "turn": number,
