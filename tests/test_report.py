@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.report.build import build, eviction_verdicts, load_queries, pooled, quant_verdicts
+from kvlab.report.build import build, calibration_verdicts, eviction_verdicts, load_queries, pooled, quant_verdicts
 
 CHROMIUM = shutil.which("chromium")
 
@@ -249,3 +249,21 @@ def test_snakemake_report_bundles_the_page_and_key_figures(smoke_run, tmp_path):
         assert any(n.endswith(wanted) for n in names), (wanted, names[:20])
     for name in ("accuracy_vs_kv_bytes", "kl_vs_bits"):
         assert (smoke_run / "results" / "figures" / f"{name}.svg").read_text().startswith("<svg")
+
+
+def calibration_tables(keys=6.0, values=2.0, massive=90.0, mass=0.38):
+    c1 = pd.DataFrame([{"model": "m", "key_pre_rope": keys, "key_post_rope": keys * 0.8, "value": values,
+                        "key_pre_rope_max": keys * 2, "value_max": values * 1.5}])
+    c2 = pd.DataFrame([{"model": "m", "massive_ratio": massive, "massive_layer": 5, "token0_max_abs": 856.0,
+                        "token0_mass_max": mass, "token0_mass_layer": 5, "token0_mass_mean": mass / 2}])
+    return {c.split()[0]: v for c, v, _ in calibration_verdicts(c1, c2)}
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({}, {"C1": "holds", "C2": "holds"}),
+    ({"keys": 3.0}, {"C1": "does not hold", "C2": "holds"}),  # keys only 1.5× values
+    ({"massive": 4.0}, {"C1": "holds", "C2": "does not hold"}),  # no massive activation on token 0
+    ({"mass": 0.1}, {"C1": "holds", "C2": "does not hold"}),  # no attention sink
+])
+def test_calibration_verdicts_follow_their_rules(change, expected):
+    assert calibration_tables(**change) == expected

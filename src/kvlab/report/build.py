@@ -447,14 +447,31 @@ def eviction_section(acc: pd.DataFrame, kl: pd.DataFrame) -> str:
     )
 
 
-def claims(q: dict) -> list[tuple[str, str, str]]:
-    """Every claim's verdict, C1 to C12 in order."""
+CLAIM_QUERIES = {1: "calib_c1", 2: "calib_c2", 3: "quant_kl", 4: "quant_kl", 5: "quant_accuracy", 6: "eviction_accuracy",
+                 7: "eviction_accuracy", 8: "eviction_accuracy, eviction_kl", 9: "cost_article", 10: "quant_kl",
+                 11: "eviction_accuracy", 12: "decision"}  # claim number -> the queries (queries.sql) its verdict reads
+
+
+def claims(q: dict) -> pd.DataFrame:
+    """Every claim's verdict, C1 to C12 in order, with the queries behind it."""
     out = calibration_verdicts(q["calib_c1"], q["calib_c2"])
     out += quant_verdicts(q["quant_kl"], pooled(q["quant_accuracy"]))
     out += eviction_verdicts(q["eviction_accuracy"], q["eviction_kl"])
     out.append(cost_verdict(q["cost_article"]))
     out.append(("C12 the decision table, regenerated from this run", *c12_verdict(article_comparison(q["decision"]))))
-    return sorted(out, key=lambda c: int(re.match(r"C(\d+)", c[0]).group(1)))
+    number = [int(re.match(r"C(\d+)", c[0]).group(1)) for c in out]
+    frame = pd.DataFrame(out, columns=["claim", "verdict", "evidence"]).assign(query=[CLAIM_QUERIES[n] for n in number], n=number)
+    return frame.sort_values("n", kind="stable").drop(columns="n")
+
+
+def throughput_chart(speed: pd.DataFrame) -> alt.TopLevelMixin:
+    """Decode tokens/s vs context length, one line per method at each budget, one panel per device."""
+    data = speed.assign(variant=speed["method"] + speed["budget"].map(lambda b: f"@{b:g}" if b < 1 else ""))
+    return alt.Chart(data).mark_line(point=True).encode(
+        x=alt.X("context_tokens:Q", title="context tokens", scale=alt.Scale(type="log", base=2)),
+        y=alt.Y("tokens_per_s:Q", title="decode tokens / s (batch 1)"),
+        color=alt.Color("variant:N", title="method"), tooltip=["variant", "context_tokens", "tokens_per_s", "kv_bytes"],
+    ).properties(width=420, height=240).facet(column=alt.Column("device:N", title="device"))
 
 
 def decision_section(dec: pd.DataFrame) -> str:
@@ -570,7 +587,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[s
         f"preset {esc(prov.get('preset'))} · commit {esc(prov.get('git_commit', '')[:12])}</p>",
         section("Summary", summary(q["models"], q["accuracy"], q["decision"]), queries["decision"]),
         section("Claims", "<p>Each claim of the study with its verdict on this run, the number behind it and the "
-                "rule used; the sections below show the rows (queries under each).</p>" + table(pd.DataFrame(claims(q), columns=["claim", "verdict", "evidence"]))),
+                "rule used; `query` names the SQL (shown under the sections below) whose rows decide it.</p>" + table(claims(q))),
         section("Decision table (article §7.2), regenerated", decision_section(q["decision"]), queries["decision"]),
         section(
             "Accuracy vs KV bytes",
@@ -608,10 +625,11 @@ def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[s
         section(
             "Decode throughput",
             "<p>Greedy decoding at batch 1 after each method's compression (EOS ignored, so every method decodes "
-            "the same number of steps). On a CPU with a small model, reading the weights dominates each step; "
+            "the same number of steps), labelled with the device it ran on. On a CPU with a small model, reading the weights dominates each step; "
             "fewer cached tokens matter more at long contexts and on accelerators. Quantized caches dequantize "
             "their codes at every step here (plain torch on the CPU, no fused kernel), so they decode slower than "
-            "the full cache; their speed claim needs a kernel that reads the packed codes directly.</p>" + table(q["throughput"]),
+            "the full cache; their speed claim needs a kernel that reads the packed codes directly.</p>"
+            + (svg(throughput_chart(q["throughput"])) if not q["throughput"].empty else "") + table(q["throughput"]),
             queries["throughput"],
         ),
         section(
