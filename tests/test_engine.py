@@ -288,6 +288,27 @@ def test_masking_press_frees_nothing_and_hides_per_head(tiny, sample):
     assert not torch.allclose(mine, dense, atol=1e-3)  # the mask really hid entries
 
 
+def test_masked_rows_batched_with_quantized_rows_decode_as_alone(tiny, sample):
+    """When a layer holds a quantized row, every row of it is batched row by row (engine.Rows); an AdaKV row
+    there still hides its masked keys: its logits equal those of the AdaKV row batched alone."""
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context)
+    ada = compress(model, base, Variant("ada", "kvpress", 0.25, {**SNAP, "wrapper": "AdaKVPress"}))
+    int8 = {"scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"}
+    quant = compress(model, base, Variant("int8", "quant", 1.0, int8))
+    full = compress(model, base, Variant("full", "full", 1.0))
+    tail = torch.tensor([p.question + p.suffix])
+    alone = Batch(model, [ada]).forward(tail, base.length)[0, -1]
+    batch = Batch(model, [ada, quant, full])
+    assert batch.stepwise
+    mixed = batch.forward(tail.expand(3, -1), base.length)
+    torch.testing.assert_close(mixed[0, -1], alone, rtol=1e-4, atol=1e-4)
+    dense = Batch(model, [full]).forward(tail, base.length)[0, -1]
+    torch.testing.assert_close(mixed[2, -1], dense, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(alone, dense, atol=1e-3)
+
+
 def test_masking_press_refuses_quantization(tiny, sample):
     model, _ = tiny
     spec = {"press": "SnapKVPress", "kwargs": {"window_size": 16}, "wrapper": "AdaKVPress", "scheme": "int8", "bits": 8,

@@ -272,12 +272,22 @@ class Rows(DynamicLayer):
     def held(self) -> list[int]:
         return [r.get_seq_length() for r in self.rows]
 
-    def mask(self, n: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1."""
+    def mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
+        """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1.
+        Where a row's press masked entries per KV head (AdaKV), the mask is per query head (B, H_q, n, kv) and
+        hides them too (a dense row's entries sit at positions 0…held-1, so its mask applies as it is)."""
         held = torch.tensor(self.held(), device=device)
         j = torch.arange(int(held.max()) + n, device=device)
-        allowed = j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None]
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        allowed = (j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None])[:, None]
+        masks = [getattr(r, "masked", None) for r in self.rows]
+        if any(m is not None for m in masks):
+            kv_heads = next(m for m in masks if m is not None).shape[1]
+            hidden = torch.zeros(len(self.rows), kv_heads, j.numel(), dtype=torch.bool, device=device)
+            for i, m in enumerate(masks):
+                if m is not None:
+                    hidden[i, :, : m.shape[-1]] = m[0]
+            allowed = allowed & ~hidden.repeat_interleave(query_heads // kv_heads, dim=1)[:, :, None, :]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
@@ -378,7 +388,8 @@ class Batch:
         model, n = self.model, ids.shape[1]
         pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
         masks = {
-            idx: layer.mask(n, model.dtype, ids.device) if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
+            idx: layer.mask(n, model.dtype, ids.device, model.config.get_text_config().num_attention_heads)
+            if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
         }
         layer_masks = {"full_attention": None}
