@@ -67,10 +67,10 @@ def accuracy_chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
     return alt.Chart(data).mark_line(point=True).encode(
         x=alt.X("kv:Q", title="KV bytes stored / full cache in bf16", scale=alt.Scale(type="log", domain=[0.02, 1])),
         y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])),
-        color=alt.Color("method:N", title="method"), order="kv:Q",
+        color=alt.Color("method:N", title="method", scale=alt.Scale(scheme="tableau20")), order="kv:Q",
         tooltip=["method", "budget", "accuracy", "kv_fraction_bf16", "rows"],
     ).properties(width=230, height=160).facet(
-        row=alt.Row("shape:N", title=None), column=alt.Column("question_mode:N", title=None, sort=["agnostic", "aware", "multi_turn"])
+        row=alt.Row("shape:N", title=None), column=alt.Column("question_mode:N", title=None)
     )
 
 
