@@ -4,7 +4,7 @@ import re
 from snakemake.exceptions import WorkflowError
 
 from kvlab.config import CALIBRATION_TABLES, ConfigError, resolve
-from kvlab.methods import uses_calibration
+from kvlab.methods import runs_on, uses_calibration
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -49,7 +49,7 @@ def calibration_tables():
 
 def methods_for(task=None):
     """The configured methods that run on `task` (a method's optional `tasks` list); all without a task."""
-    return {name: m for name, m in config["methods"].items() if task is None or task in m.get("tasks", [task])}
+    return {name: m for name, m in config["methods"].items() if runs_on(m, task)}
 
 
 def calibration_inputs(wildcards):

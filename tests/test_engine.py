@@ -1,5 +1,7 @@
 """The engine compresses a copy of a shared prefill; it must equal kvpress compressing inside its hooks."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -324,7 +326,7 @@ def configured_eviction_methods() -> dict:
     from kvlab.config import resolve
     from kvlab.methods import evicts, uses_calibration
 
-    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1]
     raw = yaml.safe_load((root / "config.yaml").read_text())
     out = {}
     for preset in ("default", "smoke"):

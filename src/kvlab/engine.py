@@ -143,10 +143,11 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     quantized method). For full, a copy sharing the base's tensors."""
     cache = shallow_copy(base.cache)
     press = variant.make_press()
+    sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
     if press is not None:
         press.post_init_from_model(model)
         cache_position = torch.arange(base.length, device=model.device)
-        sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
+        rotary = language_model(model).rotary_emb
         weights = variant.params.get("layer_budgets")  # calibrated per-layer weights: one budget per layer
         per_layer = layer_budgets(variant.budget, weights, sliding) if weights is not None else None
         for idx, module in enumerate(attention_layers(model)):
@@ -154,7 +155,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 continue
             if per_layer is not None:
                 press.compression_ratio = 1.0 - per_layer[idx]
-            module.rotary_emb = language_model(model).rotary_emb  # as kvpress's hooks set it (KeyRerotationPress reads it)
+            module.rotary_emb = rotary  # as kvpress's hooks set it (KeyRerotationPress reads it)
             cap = base.captures[idx]
             layer = cache.layers[idx]
             kwargs = {
@@ -175,10 +176,9 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
     if variant.kind in EVICTORS:
-        sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
         importlib.import_module(EVICTORS[variant.kind]).evict(model, cache, base, variant, sliding)
     if variant.quantized:
-        quantize_layers(cache, {"kind": variant.kind, **variant.params}, [is_sliding(model, i) for i in range(len(cache.layers))], base.captures)
+        quantize_layers(cache, {"kind": variant.kind, **variant.params}, sliding, base.captures)
     return cache
 
 
@@ -251,6 +251,20 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     }
 
 
+def masked_entries(layers: list, width: int) -> torch.Tensor | None:
+    """(B, H_kv, width): the entries each row's press masked per KV head (AdaKV), left-aligned, False beyond
+    what a row holds; None when no row masks anything."""
+    masks = [getattr(r, "masked", None) for r in layers]
+    if all(m is None for m in masks):
+        return None
+    ref = next(m for m in masks if m is not None)
+    out = torch.zeros(len(layers), ref.shape[1], width, dtype=torch.bool, device=ref.device)
+    for i, m in enumerate(masks):
+        if m is not None:
+            out[i, :, : m.shape[-1]] = m[0]
+    return out
+
+
 def own_layout(layer) -> bool:
     """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O: `own_layout`)."""
     return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)
@@ -279,14 +293,9 @@ class Rows(DynamicLayer):
         held = torch.tensor(self.held(), device=device)
         j = torch.arange(int(held.max()) + n, device=device)
         allowed = (j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None])[:, None]
-        masks = [getattr(r, "masked", None) for r in self.rows]
-        if any(m is not None for m in masks):
-            kv_heads = next(m for m in masks if m is not None).shape[1]
-            hidden = torch.zeros(len(self.rows), kv_heads, j.numel(), dtype=torch.bool, device=device)
-            for i, m in enumerate(masks):
-                if m is not None:
-                    hidden[i, :, : m.shape[-1]] = m[0]
-            allowed = allowed & ~hidden.repeat_interleave(query_heads // kv_heads, dim=1)[:, :, None, :]
+        hidden = masked_entries(self.rows, j.numel())
+        if hidden is not None:
+            allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def update(self, key_states, value_states, cache_kwargs=None):
@@ -324,22 +333,15 @@ class Batch:
             rows = [c.layers[idx] for c in caches]
             n = [held_tokens(r) for r in rows]
             width = max(n)
-            masked = None
-            if any(own_layout(r) for r in rows):
+            own = any(own_layout(r) for r in rows)
+            if own:
                 self.cache.layers[idx] = Rows(rows)
             else:
                 layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
                 layer.values = torch.cat([_pad(r.values, width) for r in rows])
-                if any(getattr(r, "masked", None) is not None for r in rows):
-                    masked = torch.cat([
-                        torch.nn.functional.pad(getattr(r, "masked", None) if getattr(r, "masked", None) is not None
-                                                else torch.zeros(r.keys.shape[:3], dtype=torch.bool, device=r.keys.device),
-                                                (0, width - r.keys.shape[-2]))
-                        for r in rows
-                    ])
             self.lengths.append(torch.tensor(n, device=model.device))
             self.padded.append(width)
-            self.masked.append(masked)
+            self.masked.append(None if own else masked_entries(rows, width))  # Rows mask their own rows
         # position shift per row: re-rotated caches decode from their kept length, not the prompt's
         self.shift = torch.tensor([getattr(c, "position_shift", 0) for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking

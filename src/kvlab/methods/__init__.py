@@ -136,12 +136,17 @@ def evicts(spec: dict) -> bool:
     return "press" in spec or spec["kind"] in EVICTORS
 
 
+def runs_on(spec: dict, task: str | None) -> bool:
+    """Whether a method entry runs on `task` (its optional `tasks` list; every method when task is None)."""
+    return task is None or task in spec.get("tasks", [task])
+
+
 def variants(methods: dict, budgets: list[float], task: str | None = None) -> list[Variant]:
     """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0); with `task`,
     only the methods that run on it (a method's optional `tasks` list)."""
     out = []
     for name, spec in methods.items():
-        if task is not None and task not in spec.get("tasks", [task]):
+        if not runs_on(spec, task):
             continue
         params = {k: v for k, v in spec.items() if k not in ("kind", "tasks")}
         if evicts(spec):

@@ -434,7 +434,7 @@ def eviction_section(acc: pd.DataFrame, kl: pd.DataFrame) -> str:
         note = (f"<p class='note'>{esc(names)}: the press masks evicted keys per head and frees nothing — "
                 "stored tokens stay the prompt's, attended tokens drop to the budget (see the bytes section).</p>")
     pooled_modes = acc.groupby(["model", "shape", "question_mode", "method", "budget"], sort=False).apply(
-        lambda g: pd.Series({"accuracy": _score(g)[0], "full_accuracy": _score(g)[1], "rows": _score(g)[2]}),
+        lambda g: pd.Series(dict(zip(["accuracy", "full_accuracy", "rows"], _score(g)))),
         include_groups=False,
     ).reset_index()
     return (
