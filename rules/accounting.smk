@@ -8,7 +8,11 @@ rule cost_table:
     log:
         "logs/cost_table.log",
     localrule: True
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/report.yaml"
     script:
         "../workflow/cost_table.py"

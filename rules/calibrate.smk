@@ -19,7 +19,8 @@ rule calibrate:
     resources:
         mem_mb=8000,
         runtime=60,
+        gpu=GPUS,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/model.yaml"
     script:
         "../workflow/calibrate.py"

@@ -18,7 +18,11 @@ rule collect:
     log:
         "logs/collect.log",
     localrule: True
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/report.yaml"
     script:
         "../workflow/collect.py"

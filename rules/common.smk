@@ -1,4 +1,5 @@
 # Config validation and the helpers the rules share. Logic beyond a few lines lives in the kvlab package.
+import os
 import re
 
 from snakemake.exceptions import WorkflowError
@@ -14,6 +15,8 @@ except ConfigError as error:
 MODELS = list(config["models"])
 EVALUATED = [m for m, spec in config["models"].items() if spec["evaluate"]]  # the rest: acquired and calibrated
 TASKS = list(config["tasks"])
+GPUS = int(config["device"] == "cuda")  # the rules that load the model request a GPU from the scheduler on cuda
+os.environ.setdefault("KVLAB_ROOT", workflow.basedir)  # envs/*.post-deploy.sh install kvlab from this checkout
 
 
 wildcard_constraints:

@@ -12,6 +12,6 @@ rule acquire_model:
         mem_mb=8000,
         runtime=30,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/model.yaml"
     script:
         "../workflow/acquire_model.py"

@@ -10,7 +10,11 @@ rule report:
     log:
         "logs/report.log",
     localrule: True
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/report.yaml"
     script:
         "../workflow/report.py"

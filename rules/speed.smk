@@ -19,8 +19,9 @@ rule throughput:
     resources:
         mem_mb=8000,
         runtime=60,
+        gpu=GPUS,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/model.yaml"
     script:
         "../workflow/throughput.py"
 
@@ -43,7 +44,8 @@ rule engine_vs_pipeline:
     resources:
         mem_mb=8000,
         runtime=60,
+        gpu=GPUS,
     conda:
-        "../envs/kvlab.yaml"
+        "../envs/model.yaml"
     script:
         "../workflow/engine_vs_pipeline.py"

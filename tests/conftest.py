@@ -77,13 +77,19 @@ def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.Compl
     )
 
 
-@pytest.fixture(scope="session")
-def smoke_run(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("dag")
+def workflow_copy(work: Path) -> Path:
+    """The workflow's files (no results) copied into `work`, a folder snakemake can run in."""
+    work.mkdir(parents=True, exist_ok=True)
     for name in ("Snakefile", "config.yaml"):
         shutil.copy(ROOT / name, work / name)
     for name in ("rules", "workflow", "envs", "profiles"):
         shutil.copytree(ROOT / name, work / name)
+    return work
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory) -> Path:
+    work = workflow_copy(tmp_path_factory.mktemp("dag"))
     proc = snakemake(work, "results/report.html", "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-4000:]
     return work

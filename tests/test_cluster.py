@@ -1,0 +1,107 @@
+"""The SLURM profile: it plans the whole default DAG, asks the scheduler for GPUs only on `device: cuda`, and runs
+the smoke preset on a real single-node SLURM (tests/slurm_local.py) with the same results as a local run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from conftest import workflow_copy
+from kvlab.config import resolve
+from slurm_local import PARTITION, Unavailable, jobs, local_slurm
+
+LOCAL_RULES = {"cost_table", "collect", "report"}
+TIMING = re.compile(r"(_s|speedup\w*)$")  # wall-clock columns differ between any two runs
+
+
+def dry_run(work: Path, *args: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "results/report.html", "-n", *args],
+        cwd=work, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """The 'Job stats' table snakemake prints: rule -> number of jobs."""
+    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M)}
+
+
+def test_slurm_profile_plans_the_full_default_dag(tmp_path):
+    work = workflow_copy(tmp_path / "work")
+    config = resolve(yaml.safe_load((work / "config.yaml").read_text()), work / "workflow" / "config.schema.yaml")
+    counts = job_counts(dry_run(work, "--quiet", "rules"))
+    evaluated = [m for m, spec in config["models"].items() if spec["evaluate"]]
+    assert counts["evaluate"] == len(evaluated) * sum(len(t["context_tokens"]) for t in config["tasks"].values())
+    assert counts["acquire_model"] == counts["calibrate"] == len(config["models"])
+    assert counts["throughput"] == len(evaluated) * len(config["throughput"]["context_tokens"])
+    assert counts["cost_table"] == counts["collect"] == counts["report"] == 1
+
+
+@pytest.mark.parametrize("device, gpus", [("cpu", 0), ("cuda", 1)])
+def test_model_rules_ask_the_scheduler_for_a_gpu_only_on_cuda(tmp_path, device, gpus):
+    work = workflow_copy(tmp_path / "work")
+    out = dry_run(work, "--config", f"device={device}", "preset=smoke")
+    jobs_planned = re.findall(r"^(?:local)?rule (\w+):\n(.*?)(?=^\S|\Z)", out, flags=re.M | re.S)
+    seen = {}
+    for rule, body in jobs_planned:
+        resources = re.search(r"resources: (.*)", body)
+        assert resources, f"{rule}: no resources printed"
+        seen[rule] = re.search(r"\bgpu=(\d+)", resources.group(1))
+    for rule in ("calibrate", "evaluate", "throughput", "engine_vs_pipeline"):
+        assert seen[rule] and int(seen[rule].group(1)) == gpus, (rule, device)
+    for rule in ("acquire_model", *LOCAL_RULES):
+        assert not seen[rule], rule
+
+
+def comparable(path: Path) -> pd.DataFrame:
+    frame = pd.read_parquet(path)
+    return frame.drop(columns=[c for c in frame.columns if TIMING.search(c)]).reset_index(drop=True)
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """A running single-node SLURM (its clients' environment); skipped, with the reason, where none can start."""
+    try:
+        with local_slurm(tmp_path / "cluster") as env:
+            yield env
+    except Unavailable as why:
+        pytest.skip(f"no SLURM test cluster on this machine: {why}")
+
+
+def test_smoke_preset_runs_through_slurm_as_it_runs_locally(smoke_run, slurm, tmp_path):
+    """Every non-local job goes through sbatch on a real SLURM controller and node; the rows equal the local run's."""
+    work = workflow_copy(tmp_path / "work")
+    # The test cluster has no accounting daemon (slurmdbd), hence squeue for status and no account to guess.
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "results/report.html",
+         "--config", "preset=smoke", "--slurm-status-command", "squeue",
+         "--slurm-init-seconds-before-status-checks", "2", "--slurm-no-account", "--slurm-keep-successful-logs"],
+        cwd=work, env=slurm, capture_output=True, text=True, timeout=1500,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    scheduled = jobs(slurm)
+
+    counts = job_counts(proc.stdout + proc.stderr)
+    submitted = {rule: n for rule, n in counts.items() if rule not in LOCAL_RULES}
+    assert len(scheduled) == sum(submitted.values()), scheduled
+    assert all(j["JobState"] == "COMPLETED" and j["ExitCode"] == "0:0" and j["Partition"] == PARTITION for j in scheduled)
+    logs = work / ".snakemake" / "slurm_logs"
+    for rule, n in counts.items():
+        found = list((logs / f"rule_{rule}").rglob("*.log")) if (logs / f"rule_{rule}").is_dir() else []
+        assert len(found) == (0 if rule in LOCAL_RULES else n), (rule, found)
+
+    ours = sorted(p.relative_to(work) for p in (work / "results").rglob("*.parquet"))
+    local = sorted(p.relative_to(smoke_run) for p in (smoke_run / "results").rglob("*.parquet"))
+    assert ours == local and ours
+    for rel in ours:
+        pd.testing.assert_frame_equal(comparable(work / rel), comparable(smoke_run / rel), check_exact=True, obj=str(rel))
+    assert (work / "results" / "report.html").stat().st_size > 0
