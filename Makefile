@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CORES  ?= 2
 SMK_ARGS ?=
 
-.PHONY: setup browser report smoke test test-fast lint clean
+.PHONY: setup system report smoke test test-fast lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,11 +21,14 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 
 setup: $(VENV)/.installed
 
-# Headless Chromium renders the report in the tests (Debian package; installed when we are root).
-browser:
-	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
-	  echo "chromium not installed: the browser rendering test will be skipped (apt-get install chromium)"
+# Debian packages some tests use: headless Chromium renders the report; slurm-wlm and munge host a one-node SLURM
+# for the cluster profile's test. Installed when we are root; otherwise those tests skip and print why.
+system:
+	@missing=""; command -v chromium >/dev/null || missing="chromium"; \
+	  [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/munged ] || missing="$$missing slurm-wlm munge"; \
+	  [ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
+	  echo "not installed: $$missing (apt-get install $$missing); the tests that need them will be skipped"
 
 report: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html $(SMK_ARGS)
@@ -33,7 +36,7 @@ report: setup
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
-test: setup browser
+test: setup system
 	$(BIN)/pytest -q
 
 test-fast: setup

@@ -150,11 +150,12 @@ def local_slurm(folder: Path) -> Iterator[dict[str, str]]:
 
 
 def jobs(env: dict[str, str]) -> list[dict[str, str]]:
-    """Every job the controller still knows (finished ones stay MinJobAge seconds): id, name, state, exit code."""
+    """Every job the controller still knows (finished ones stay MinJobAge seconds): id, name, state, exit code,
+    partition and comment (the executor plugin writes the rule and wildcards there)."""
     out = subprocess.run(["scontrol", "show", "job", "--oneliner"], capture_output=True, text=True, env=env, check=True)
     rows = []
     for line in out.stdout.splitlines():
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
         if "JobId" in fields:
-            rows.append({k: fields.get(k, "") for k in ("JobId", "JobName", "JobState", "ExitCode", "Partition")})
+            rows.append({k: fields.get(k, "") for k in ("JobId", "JobName", "JobState", "ExitCode", "Partition", "Comment")})
     return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +34,28 @@ def job_counts(out: str) -> dict[str, int]:
     """The 'Job stats' table snakemake prints: rule -> number of jobs."""
     table = out.split("Job stats:", 1)[1].split("total", 1)[0]
     return {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M)}
+
+
+def parsed(work: Path, monkeypatch, *argv: str):
+    from snakemake.cli import parse_args
+
+    monkeypatch.chdir(work)
+    return parse_args([*argv, "results/report.html"])[1]
+
+
+def test_profiles_layer_so_cluster_settings_win_on_a_cluster(tmp_path, monkeypatch):
+    """profiles/default is snakemake's workflow profile: applied to every run and above --profile, so it must not
+    hold a key the SLURM profile sets differently (it once held latency-wait 5, which beat the cluster's 60)."""
+    work = workflow_copy(tmp_path / "work")
+    local = parsed(work, monkeypatch)
+    assert (local.cores, local.executor, local.rerun_incomplete, local.keep_going) == (2, None, True, False)
+    cluster = parsed(work, monkeypatch, "--profile", "profiles/slurm")
+    assert (cluster.executor, cluster.jobs, cluster.latency_wait, cluster.keep_going) == ("slurm", 50, 60, True)
+    assert cluster.rerun_incomplete and cluster.printshellcmds
+    assert set(cluster.set_resources) == {"calibrate", "evaluate", "throughput", "engine_vs_pipeline"}
+    default = yaml.safe_load((work / "profiles" / "default" / "config.yaml").read_text())
+    slurm = yaml.safe_load((work / "profiles" / "slurm" / "config.yaml").read_text())
+    assert not set(default) & set(slurm)
 
 
 def test_slurm_profile_plans_the_full_default_dag(tmp_path):
@@ -93,6 +116,8 @@ def test_smoke_preset_runs_through_slurm_as_it_runs_locally(smoke_run, slurm, tm
     counts = job_counts(proc.stdout + proc.stderr)
     submitted = {rule: n for rule, n in counts.items() if rule not in LOCAL_RULES}
     assert len(scheduled) == sum(submitted.values()), scheduled
+    rules = Counter(re.match(r"rule_(\w+?)(?:_wildcards_|$)", j["Comment"]).group(1) for j in scheduled)
+    assert rules == Counter(submitted), (rules, submitted)
     assert all(j["JobState"] == "COMPLETED" and j["ExitCode"] == "0:0" and j["Partition"] == PARTITION for j in scheduled)
     logs = work / ".snakemake" / "slurm_logs"
     for rule, n in counts.items():
