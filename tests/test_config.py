@@ -81,7 +81,8 @@ BAD = [
     (("device",), "tpu", "config: key 'device': 'tpu' is not allowed; allowed: cpu, cuda"),
     (("max_new_tokens",), "many", "config: key 'max_new_tokens': expected integer, got str 'many'"),
     (("methods", "snapkv", "kwarg"), {}, "config: unknown key 'kwarg' under 'methods.snapkv'; allowed: kind, kwargs, layer_budgets, press, tasks, wrapper, wrapper_kwargs"),
-    (("methods", "snapkv", "wrapper"), "MergePress", "preset 'default': key 'methods.snapkv.wrapper': kvpress has no press 'MergePress'; wrappers: KeyRerotationPress, MergingPress"),
+    (("methods", "snapkv", "wrapper"), "MergePress", "preset 'default': key 'methods.snapkv.wrapper': 'MergePress' is not a kvpress press; wrappers: AdaKVPress, BlockPress, ChunkKVPress, ChunkPress, CriticalAdaKVPress, DMSPress, EntropyGatedChunkKVPress, KeyRerotationPress, LUKVPress, MergingPress, PerLayerCompressionPress"),
+    (("methods", "snapkv", "wrapper"), "KnormPress", "key 'methods.snapkv.wrapper': 'KnormPress' is a press that wraps no other; wrappers: AdaKVPress,"),
     (("methods", "snapkv", "wrapper_kwargs"), {"similarity_threshold": 0.5}, "preset 'default': key 'methods.snapkv.wrapper_kwargs': needs a `wrapper` press to configure"),
     (("methods", "snapkv_merge", "wrapper_kwargs"), {"press": "X"}, "key 'methods.snapkv_merge.wrapper_kwargs.press': the wrapped press is `press`; remove it here"),
     (("methods", "kivi4", "wrapper"), "MergingPress", "preset 'default': key 'methods.kivi4.wrapper': applies to a press; add `press` (e.g. SnapKVPress)"),
@@ -144,3 +145,17 @@ def test_snakemake_stops_before_any_job_with_the_line(tmp_path, config):
     assert proc.returncode != 0
     assert "kvlab config: key 'budgets[0]': 1.5 must be <= 1" in proc.stderr + proc.stdout
     assert not (tmp_path / "results").exists()
+
+
+def test_wrapper_names_read_from_sources_match_kvpress_classes():
+    """Config reads kvpress's sources (importing it takes seconds); the wrappers found must be exactly the exported
+    press classes with a dataclass field `press`."""
+    import dataclasses
+
+    import kvpress
+
+    from kvlab.config import kvpress_wrapper_names
+
+    classes = {n: getattr(kvpress, n) for n in dir(kvpress) if n.endswith("Press")}
+    runtime = {n for n, c in classes.items() if dataclasses.is_dataclass(c) and "press" in {f.name for f in dataclasses.fields(c)}}
+    assert kvpress_wrapper_names() == runtime and {"KeyRerotationPress", "MergingPress", "AdaKVPress"} <= runtime

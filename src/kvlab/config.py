@@ -116,8 +116,10 @@ def _check_semantics(config: dict, where: str) -> None:
             if method.get("wrapper_kwargs") and "wrapper" not in method:
                 raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs': needs a `wrapper` press to configure")
             wrapper = method.get("wrapper")
-            if wrapper is not None and wrapper not in presses:
-                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': kvpress has no press '{wrapper}'; wrappers: KeyRerotationPress, MergingPress")
+            wrappers = kvpress_wrapper_names() if wrapper is not None else set()
+            if wrapper is not None and wrapper not in wrappers:
+                what = "is a press that wraps no other" if wrapper in presses else "is not a kvpress press"
+                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': '{wrapper}' {what}; wrappers: {', '.join(sorted(wrappers))}")
             if "press" in method.get("wrapper_kwargs", {}):
                 raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs.press': the wrapped press is `press`; remove it here")
             for key, value in method.get("kwargs", {}).items():
@@ -172,6 +174,22 @@ CALIBRATION_TABLES = (
     "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_ranges", "kvquant_grids", "layer_budget",
     "stream_sinks",
 )  # what the calibrate rule writes per model (see kvlab.calibrate)
+
+
+def kvpress_wrapper_names() -> set[str]:
+    """Exported presses that wrap another (a dataclass field `press`, declared or inherited), read from kvpress's
+    sources like the names."""
+    spec = importlib.util.find_spec("kvpress")
+    bases, wrappers = {}, set()
+    for source in Path(spec.origin).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {getattr(b, "id", None) for b in node.bases}
+                if any(isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == "press" for s in node.body):
+                    wrappers.add(node.name)
+    while grown := {c for c, b in bases.items() if b & wrappers} - wrappers:
+        wrappers |= grown
+    return wrappers & kvpress_press_names()
 
 
 def kvpress_press_names() -> set[str]:
