@@ -108,13 +108,18 @@ def _fp8_quantize_kernel(x_ptr, scale_ptr, out_ptr, N, L, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _fp8_dequantize_kernel(c_ptr, scale_ptr, out_ptr, N, L, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
-    rows, cols, mask = _tile(N, L, 8, BLOCK_N, BLOCK_L)
-    c = tl.load(c_ptr + rows * L + cols, mask=mask).to(tl.int32)
+def e4m3_to_float(c):
+    """E4M3 codes (int32 holding a byte) → float32, exactly as torch's float8_e4m3fn → float32."""
     mag = c & 0x7F  # exponent (bias 7) in bits 3-6, mantissa in bits 0-2
     nrm = tl.where(mag == 0x7F, 0x7FF00000, (mag << 20) + (120 << 23))  # fp32 pattern; NaN as c10 decodes it
     v = tl.where(mag < 8, mag.to(tl.float32) * 0.001953125, nrm.to(tl.float32, bitcast=True))  # subnormal: m·2^-9
-    v = tl.where(c >= 0x80, -v, v)
+    return tl.where(c >= 0x80, -v, v)
+
+
+@triton.jit
+def _fp8_dequantize_kernel(c_ptr, scale_ptr, out_ptr, N, L, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr):
+    rows, cols, mask = _tile(N, L, 8, BLOCK_N, BLOCK_L)
+    v = e4m3_to_float(tl.load(c_ptr + rows * L + cols, mask=mask).to(tl.int32))
     tl.store(out_ptr + rows * L + cols, v * tl.load(scale_ptr + rows, mask=rows < N).to(tl.float32), mask=mask)
 
 

@@ -1,0 +1,100 @@
+"""Decode attention over a quantized cache layer: one query token per sequence against sinks + packed codes +
+the full-precision residual, without materializing the dequantized cache.
+
+The quantized part is attended segment by segment, each returning its softmax state: the normalized output
+``o`` and the log-sum-exp ``lse`` of its scaled scores. Segments merge exactly (flash-decoding):
+``lse = logsumexp(lse_i)``, ``o = Σ exp(lse_i − lse) · o_i``. The full-precision tokens (sinks, residual, the
+new token) are a short dense segment; the codes are one segment per split of the token axis.
+
+This module holds the torch reference of the code segment (dequantize with ``kvlab.kernels.quant``, then
+dense attention) and the dispatcher; ``kvlab.kernels.triton_decode`` computes the same segment in one Triton
+kernel that reads the packed codes and dequantizes in registers (tests/test_decode_attention.py checks they agree
+under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
+
+Formats read (written by ``kvlab.kernels.kvcache``; B batch, H KV heads, T quantized tokens, D head dim):
+  - affine on ``channel`` (KIVI keys): codes (B, H, T/G, D, G·bits/8), scale and zero (B, H, T/G, D) fp16;
+  - affine on ``token`` (KIVI values, INT8): codes (B, H, T, D/g, g·bits/8), scale and zero (B, H, T, D/g) fp16;
+  - FP8 (``FP8Codec``): E4M3 codes (B, H, T, D) uint8 with one float32 scale per KV head.
+Queries are (B, H_q, D) with H_q = H · rep; query head ``i`` reads KV head ``i // rep`` (transformers' layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax state of q (B, H_q, D) over dense k, v (B, H, n, D): o (B, H_q, D) float32, lse (B, H_q) float32.
+    An empty segment (n = 0) has lse = −inf and o = 0, so it merges as nothing."""
+    b, hq, d = q.shape
+    rep = hq // k.shape[1]
+    qg = q.float().view(b, k.shape[1], rep, d)
+    scores = torch.einsum("bhrd,bhnd->bhrn", qg, k.float()) * scaling
+    if scores.shape[-1] == 0:
+        return q.new_zeros(b, hq, d, dtype=torch.float32), q.new_full((b, hq), float("-inf"), dtype=torch.float32)
+    lse = torch.logsumexp(scores, dim=-1)
+    o = torch.einsum("bhrn,bhnd->bhrd", torch.exp(scores - lse[..., None]), v.float())
+    return o.reshape(b, hq, d), lse.reshape(b, hq)
+
+
+def merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """One output from several segments' (o, lse); o of shape (B, H_q, D) or (B, H_q, S, D) with lse (B, H_q, S)."""
+    os = torch.cat([o if o.dim() == 4 else o[:, :, None] for o, _ in states], dim=2)
+    lses = torch.cat([lse if lse.dim() == 3 else lse[:, :, None] for _, lse in states], dim=2)
+    total = torch.logsumexp(lses, dim=-1, keepdim=True)
+    weight = torch.exp(lses - total).nan_to_num_(0.0)  # a segment with lse = −inf weighs 0
+    return (weight[..., None] * os).sum(2)
+
+
+def supported(layer) -> str | None:
+    """The fused format of a quantized layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None
+    where the kernel has none (KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs)."""
+    from kvlab.kernels.kvcache import AffineCodec, FP8Codec
+
+    key, value = layer.spec.key, layer.spec.value
+    if isinstance(key, FP8Codec) and isinstance(value, FP8Codec):
+        return "fp8"
+    if isinstance(key, AffineCodec) and isinstance(value, AffineCodec) and not layer.spec.rope:
+        return "affine"
+    return None
+
+
+def fp8_scales(codec, heads: int, device) -> torch.Tensor:
+    """Per-KV-head float32 scales of an ``FP8Codec`` (the dynamic per-tensor scale repeated per head)."""
+    if codec.scales is not None:
+        return codec.scales.to(device, torch.float32)
+    return codec.dynamic.to(device, torch.float32).expand(heads).contiguous()
+
+
+def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax state over the layer's quantized tokens: dequantize them (the ``quant`` references), then attend."""
+    shape = (*layer.keys.shape[:2], layer.quantized, layer.keys.shape[-1])
+    k = layer.spec.key.decode(layer.stored["key"], shape)
+    v = layer.spec.value.decode(layer.stored["value"], shape)
+    return dense_segment(q, k, v, scaling)
+
+
+def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float,
+                     fused: bool | None = None) -> torch.Tensor:
+    """Attention output (B, H_q, D) float32 of one new token per sequence over a ``QuantizedKVLayer`` that does
+    not yet hold it (``new_keys``/``new_values`` (B, H, 1, D)). ``fused``: the Triton kernel reads the codes
+    (default: on CUDA, for the formats of :func:`supported`); otherwise the torch reference dequantizes them."""
+    if q.dim() != 3 or new_keys.shape[-2] != 1:
+        raise ValueError(f"decode attention takes one query token per sequence: q (B, H_q, D), got {tuple(q.shape)}")
+    fmt = supported(layer)
+    if fused is None:
+        fused = q.is_cuda and fmt is not None
+    if fused and fmt is None:
+        raise ValueError(f"no fused decode kernel for keys {layer.spec.key!r} and values {layer.spec.value!r}")
+    dense = [t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None]
+    dense_v = [t for t in (layer.sink_values, layer.values, new_values) if t is not None]
+    states = [dense_segment(q, torch.cat(dense, dim=-2), torch.cat(dense_v, dim=-2), scaling)]
+    if layer.quantized:
+        if fused:
+            from kvlab.kernels import triton_decode
+
+            states.append(triton_decode.codes_segment(q, layer, fmt, scaling))
+        else:
+            states.append(codes_segment_reference(q, layer, scaling))
+    return merge(states)
+

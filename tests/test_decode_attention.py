@@ -1,0 +1,104 @@
+"""Decode attention over quantized cache layers (kvlab.kernels.decode_attention): the torch reference equals dense
+attention over the dequantized cache, and the Triton kernel that reads the packed codes equals the reference —
+under TRITON_INTERPRET=1 on the CPU (conftest.py), compiled on CUDA when present. Odd token counts, GQA with
+7 query heads per KV head, several splits of the token axis, every code format the kernel reads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvlab.kernels import decode_attention as da
+from kvlab.kernels import kvcache
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = ["cpu"] * INTERPRETED + ["cuda"] * torch.cuda.is_available()
+HEADS, REP, DIM = 2, 7, 64
+
+
+def spec_for(name: str) -> kvcache.LayerSpec:
+    if name == "fp8-static":
+        scales = torch.tensor([0.01, 0.02])
+        return kvcache.LayerSpec(kvcache.FP8Codec(scales), kvcache.FP8Codec(scales * 0.5), group=1, residual=5)
+    if name == "fp8-dynamic":
+        return kvcache.LayerSpec(kvcache.FP8Codec(), kvcache.FP8Codec(), group=1, residual=5)
+    if name == "int8-token":
+        codec = kvcache.AffineCodec(8, DIM, "token")
+        return kvcache.LayerSpec(codec, codec, group=1, residual=3)
+    bits, group = {"kivi2": (2, 32), "kivi4": (4, 32), "kivi4-g16": (4, 16), "kivi8": (8, 32)}[name]
+    return kvcache.LayerSpec(kvcache.AffineCodec(bits, group, "channel"), kvcache.AffineCodec(bits, group, "token"),
+                             group=group, residual=7, sink_tokens=3)
+
+
+FORMATS = ["kivi2", "kivi4", "kivi4-g16", "kivi8", "int8-token", "fp8-static", "fp8-dynamic"]
+
+
+def layer_and_query(name: str, tokens: int, batch: int = 2, device: str = "cpu", seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, HEADS, tokens, DIM, generator=g) * 2
+    keys[..., 5] += 8  # an outlier channel, as real keys have
+    values = torch.randn(batch, HEADS, tokens, DIM, generator=g)
+    layer = kvcache.layer_from_dense(keys.to(device), values.to(device), spec_for(name))
+    q = torch.randn(batch, HEADS * REP, DIM, generator=g).to(device)
+    new_k = torch.randn(batch, HEADS, 1, DIM, generator=g).to(device)
+    new_v = torch.randn(batch, HEADS, 1, DIM, generator=g).to(device)
+    return layer, q, new_k, new_v
+
+
+def dense_attention(q, k, v, scaling):
+    """Plain softmax attention of one query per sequence over dense (B, H, n, D), GQA by repeating heads."""
+    k, v = (x.float().repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    w = torch.softmax(torch.einsum("bhd,bhnd->bhn", q.float(), k) * scaling, dim=-1)
+    return torch.einsum("bhn,bhnd->bhd", w, v)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("tokens", [1, 45, 203])
+def test_reference_equals_dense_attention_over_the_dequantized_cache(name, tokens):
+    layer, q, new_k, new_v = layer_and_query(name, tokens)
+    k, v = layer.full(new_k, new_v)
+    want = dense_attention(q, k, v, 0.125)
+    got = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("tokens, splits", [(45, None), (203, 1), (203, 3), (333, None)])
+def test_triton_kernel_equals_the_reference(device, name, tokens, splits):
+    from kvlab.kernels import triton_decode
+
+    layer, q, new_k, new_v = layer_and_query(name, tokens, device=device, seed=tokens)
+    assert layer.quantized > 0 and da.supported(layer)
+    o, lse = triton_decode.codes_segment(q, layer, da.supported(layer), 0.125, splits=splits, block_t=32)
+    if splits:
+        assert o.shape[2] == splits
+    want = da.codes_segment_reference(q, layer, 0.125)
+    got = da.merge([(o, lse)])
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.logsumexp(lse, dim=-1), want[1], rtol=1e-5, atol=1e-5)
+    fused = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=True)
+    torch.testing.assert_close(fused, da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_of_segments_equals_attention_over_their_union():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 14, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g), torch.randn(1, 2, 50, 16, generator=g)
+    parts = [da.dense_segment(q, k[:, :, a:b], v[:, :, a:b], 0.3) for a, b in ((0, 17), (17, 17), (17, 50))]
+    torch.testing.assert_close(da.merge(parts), dense_attention(q, k, v, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_layers_the_kernel_cannot_read_are_refused_by_name():
+    levels = torch.linspace(-1, 1, 16)
+    lo, hi = -torch.ones(HEADS, DIM), torch.ones(HEADS, DIM)
+    spec = kvcache.LayerSpec(kvcache.GridKeyCodec(4, levels, lo, hi), kvcache.AffineCodec(4, 32, "token"), group=32,
+                             residual=4, rope=True)
+    layer = kvcache.QuantizedKVLayer(spec)
+    assert da.supported(layer) is None
+    q = torch.zeros(1, HEADS * REP, DIM)
+    with pytest.raises(ValueError, match="no fused decode kernel for keys GridKeyCodec"):
+        da.decode_attention(q, layer, torch.zeros(1, HEADS, 1, DIM), torch.zeros(1, HEADS, 1, DIM), 1.0, fused=True)
+    with pytest.raises(ValueError, match=r"one query token per sequence: q \(B, H_q, D\), got \(1, 14, 2, 64\)"):
+        da.decode_attention(q[:, :, None].expand(1, 14, 2, DIM), layer, q, q, 1.0)
