@@ -22,6 +22,15 @@ from __future__ import annotations
 
 import torch
 
+# Whether generation's decode steps use the Triton kernel over the codes (kvlab.engine): None = on CUDA for
+# the formats of `supported`; True = everywhere (on the CPU through Triton's interpreter: slow, for tests);
+# False = never (the layer dequantizes its codes at every step, as transformers' quantized caches do).
+FUSED: bool | None = None
+
+
+def fused_enabled(x: torch.Tensor) -> bool:
+    return x.is_cuda if FUSED is None else FUSED
+
 
 def dense_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax state of q (B, H_q, D) over dense k, v (B, H, n, D): o (B, H_q, D) float32, lse (B, H_q) float32.
@@ -83,7 +92,7 @@ def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values:
         raise ValueError(f"decode attention takes one query token per sequence: q (B, H_q, D), got {tuple(q.shape)}")
     fmt = supported(layer)
     if fused is None:
-        fused = q.is_cuda and fmt is not None
+        fused = fused_enabled(q) and fmt is not None
     if fused and fmt is None:
         raise ValueError(f"no fused decode kernel for keys {layer.spec.key!r} and values {layer.spec.value!r}")
     dense = [t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None]

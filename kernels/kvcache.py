@@ -222,9 +222,23 @@ class QuantizedKVLayer(DynamicLayer):
     def update(self, key_states, value_states, cache_kwargs: dict | None = None):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check(key_states, value_states)
+        out = self.full(key_states, value_states)
+        self.append(key_states, value_states, cache_kwargs, checked=True)
+        return out
+
+    @staticmethod
+    def _check(key_states, value_states) -> None:
         for t, what in ((key_states, "keys"), (value_states, "values")):
             quant.check_input(t, f"quantized cache layer {what}")
-        out = self.full(key_states, value_states)
+
+    def append(self, key_states, value_states, cache_kwargs: dict | None = None, checked: bool = False) -> None:
+        """Store new tokens (residual, then complete groups into codes) without building the dequantized view:
+        the fused decode path (``decode_attention``) attends to the codes where they lie."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not checked:
+            self._check(key_states, value_states)
         if self.spec.rope:
             if not cache_kwargs or "cos" not in cache_kwargs:
                 raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")
@@ -235,7 +249,6 @@ class QuantizedKVLayer(DynamicLayer):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.cumulative_length += key_states.shape[-2]
         self._settle()
-        return out
 
     def _settle(self) -> None:
         """Move leading tokens into the sinks, then quantize every complete group beyond the residual."""

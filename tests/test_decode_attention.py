@@ -102,3 +102,45 @@ def test_layers_the_kernel_cannot_read_are_refused_by_name():
         da.decode_attention(q, layer, torch.zeros(1, HEADS, 1, DIM), torch.zeros(1, HEADS, 1, DIM), 1.0, fused=True)
     with pytest.raises(ValueError, match=r"one query token per sequence: q \(B, H_q, D\), got \(1, 14, 2, 64\)"):
         da.decode_attention(q[:, :, None].expand(1, 14, 2, DIM), layer, q, q, 1.0)
+
+
+QUANT_SPECS = {
+    "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 16, "residual": 5, "key_axis": "channel", "value_axis": "token"},
+    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"},
+    "fp8": {"kind": "quant", "scheme": "fp8", "bits": 8, "group": 1, "scales": "dynamic", "key_axis": "token", "value_axis": "token"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANT_SPECS))
+def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, monkeypatch, name):
+    """The engine's decode steps over quantized rows run the Triton kernel on the codes (forced here on the CPU,
+    where it is interpreted) and give the dequantizing path's logits, step after step, while groups flush into
+    codes; a batch of two quantized rows too."""
+    from kvlab.engine import Batch, compress, prefill
+    from kvlab.methods import Variant
+
+    model, tokenizer = tiny
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 6)["input_ids"][:61]
+    base = prefill(model, ids)
+    other = compress(model, base, Variant("kivi4", "quant", 1.0, QUANT_SPECS["kivi4"]))
+    caches = [compress(model, base, Variant(name, "quant", 1.0, QUANT_SPECS[name])), other]
+    calls = []
+    real = da.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("fused"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(da, "decode_attention", counted)
+    logits = {}
+    for fused in (False, True):
+        monkeypatch.setattr(da, "FUSED", fused)
+        batch = Batch(model, caches)
+        x, steps = torch.tensor([[ids[-1]]] * 2), []
+        for step in range(20):  # crosses a group boundary: tokens leave the residual for the codes
+            out = batch.forward(x, len(ids) + step)[:, -1]
+            steps.append(out)
+            x = out.argmax(-1, keepdim=True)
+        logits[fused] = torch.stack(steps)
+    assert calls and all(calls) and len(calls) == 20 * 2 * model.config.num_hidden_layers  # every step, row, layer
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

@@ -28,7 +28,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, create_sliding_window_causal_mask, sdpa_mask
 
-from kvlab.kernels import accounting, kvcache
+from kvlab.kernels import accounting, decode_attention, kvcache
 from kvlab.methods import EVICTORS, Variant, layer_budgets
 from kvlab.methods.quantized import layouts, quantize_layers
 from kvlab.tasks.base import Sample
@@ -42,7 +42,17 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     """transformers' SDPA attention, but grouped-query heads share their K/V inside the kernel even when a
     mask is given. transformers' own `sdpa` copies every cached K/V head to each query head it serves
     whenever there is a mask (a full copy of the cache per layer and step: 7x for Qwen2.5-0.5B), which is
-    what our batched decoding always passes. Same result (tested), several times faster on the CPU."""
+    what our batched decoding always passes. Same result (tested), several times faster on the CPU.
+
+    A decode step over quantized rows (`Rows.update` tags the key with `fused`) attends to each row's codes
+    with the Triton kernel instead (kvlab.kernels.decode_attention); each row then covers exactly its own
+    entries, so the padding mask has nothing to add."""
+    fused = getattr(key, "fused", None)
+    if fused is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        rows = [decode_attention.decode_attention(query[i : i + 1, :, 0], layer, k, v, scale, fused=True)
+                for i, (layer, k, v) in enumerate(fused)]
+        return torch.cat(rows).to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
@@ -298,8 +308,23 @@ class Rows(DynamicLayer):
             allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
+    def fused(self, key_states) -> bool:
+        """A one-token step over rows that are all quantized in a format the decode kernel reads."""
+        return key_states.shape[-2] == 1 and decode_attention.fused_enabled(key_states) and all(
+            isinstance(r, kvcache.QuantizedKVLayer) and decode_attention.supported(r) for r in self.rows
+        )
+
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
+        if self.fused(key_states):  # store the token; attention reads each row's codes (see sdpa_gqa)
+            steps = []
+            for i, row in enumerate(self.rows):
+                k, v = key_states[i : i + 1], value_states[i : i + 1]
+                steps.append((kvcache.fork_layer(row), k, v))  # the row as the new token's query sees it
+                row.append(k, v)
+            key_states = key_states.view_as(key_states)
+            key_states.fused = steps
+            return key_states, value_states
         keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
         values = torch.zeros_like(keys)
         for i, row in enumerate(self.rows):
