@@ -36,13 +36,13 @@ def eval_rows():
 
 
 def speed_rows():
-    """Throughput and the engine-vs-pipeline benchmark, per (model, context length)."""
+    """Throughput and the engine-vs-pipeline benchmark per (model, context length); on CUDA, the decode kernels."""
     return [
         f"results/speed/{kind}/{model}/{ctx}.parquet"
         for kind, lengths in (("throughput", config["throughput"]["context_tokens"]), ("engine_vs_pipeline", config["benchmark"]["context_tokens"]))
         for model in EVALUATED
         for ctx in lengths
-    ]
+    ] + [f"results/speed/decode_kernels/{model}.parquet" for model in EVALUATED if config["device"] == "cuda"]
 
 
 def calibration_tables():

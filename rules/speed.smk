@@ -49,3 +49,28 @@ rule engine_vs_pipeline:
         "../envs/model.yaml"
     script:
         "../workflow/engine_vs_pipeline.py"
+
+
+# The decode-attention kernel over packed codes against SDPA on the dense cache; in the DAG only with
+# `device: cuda` (on a CPU, Triton only interprets: nothing to time).
+rule decode_kernels:
+    input:
+        model_dir="resources/models/{model}",
+    output:
+        rows="results/speed/decode_kernels/{model}.parquet",
+    params:
+        spec=config["decode_kernels"],
+        run={key: config[key] for key in ("dtype", "device")},
+    log:
+        "logs/decode_kernels/{model}.log",
+    benchmark:
+        "results/benchmarks/decode_kernels/{model}.tsv"
+    threads: config["threads"]
+    resources:
+        mem_mb=16000,
+        runtime=60,
+        gpu=GPUS,
+    conda:
+        "../envs/model.yaml"
+    script:
+        "../workflow/decode_kernels.py"

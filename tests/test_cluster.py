@@ -52,7 +52,7 @@ def test_profiles_layer_so_cluster_settings_win_on_a_cluster(tmp_path, monkeypat
     cluster = parsed(work, monkeypatch, "--profile", "profiles/slurm")
     assert (cluster.executor, cluster.jobs, cluster.latency_wait, cluster.keep_going) == ("slurm", 50, 60, True)
     assert cluster.rerun_incomplete and cluster.printshellcmds
-    assert set(cluster.set_resources) == {"calibrate", "evaluate", "throughput", "engine_vs_pipeline"}
+    assert set(cluster.set_resources) == {"calibrate", "evaluate", "throughput", "engine_vs_pipeline", "decode_kernels"}
     default = yaml.safe_load((work / "profiles" / "default" / "config.yaml").read_text())
     slurm = yaml.safe_load((work / "profiles" / "slurm" / "config.yaml").read_text())
     assert not set(default) & set(slurm)
@@ -81,6 +81,9 @@ def test_model_rules_ask_the_scheduler_for_a_gpu_only_on_cuda(tmp_path, device, 
         seen[rule] = re.search(r"\bgpu=(\d+)", resources.group(1))
     for rule in ("calibrate", "evaluate", "throughput", "engine_vs_pipeline"):
         assert seen[rule] and int(seen[rule].group(1)) == gpus, (rule, device)
+    assert ("decode_kernels" in seen) == (device == "cuda")  # the kernel benchmark needs a GPU
+    if device == "cuda":
+        assert int(seen["decode_kernels"].group(1)) == 1
     for rule in ("acquire_model", *LOCAL_RULES):
         assert not seen[rule], rule
 

@@ -17,7 +17,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
-    "model": {"acquire_model", "calibrate", "evaluate", "throughput", "engine_vs_pipeline"},
+    "model": {"acquire_model", "calibrate", "evaluate", "throughput", "engine_vs_pipeline", "decode_kernels"},
     "report": {"cost_table", "collect", "report"},
 }
 

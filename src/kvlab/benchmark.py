@@ -17,7 +17,7 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.engine import compress, cache_stats, evaluate_sample, greedy_decode, prefill
+from kvlab.engine import cache_stats, compress, decode_path, evaluate_sample, greedy_decode, prefill
 from kvlab.evaluate import device_name, load_model
 from kvlab.io import write_parquet
 from kvlab.methods import variants
@@ -117,6 +117,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
                 "model": card["name"], "context_tokens": context_tokens, "method": v.method, "budget": v.budget,
                 "new_tokens": len(ids), "decode_s": seconds, "tokens_per_s": len(ids) / seconds,
                 "prefill_s": prefill_s, "kv_bytes": held["kv_bytes"], "kv_tokens_mean": held["kv_tokens_mean"],
+                "decode_path": decode_path(cache, model.device),
                 "dtype": run["dtype"], "device": device_name(run["device"]),
             }
         )

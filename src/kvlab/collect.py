@@ -15,6 +15,17 @@ from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path
 from kvlab.models.card import read_card
 
+# Columns of kvlab.kernel_bench's rows, typed: the table exists (empty) in runs without CUDA.
+DECODE_KERNEL_COLUMNS = {
+    "model": "string", "format": "string", "path": "string", "bits": "int64", "context_tokens": "int64",
+    "batch": "int64", "kv_heads": "int64", "query_heads": "int64", "head_dim": "int64", "ms": "float64",
+    "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
+}
+
+
+def empty(columns: dict[str, str]) -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=d) for c, d in columns.items()})
+
 PACKAGES = ("torch", "transformers", "kvpress", "snakemake", "duckdb", "altair", "triton", "kvlab")
 
 
@@ -66,7 +77,7 @@ def build(
     benchmark_files: list,
     config: dict,
 ) -> None:
-    """Write every table the report reads: eval, throughput, engine_vs_pipeline, calib_* (one per
+    """Write every table the report reads: eval, throughput, engine_vs_pipeline, decode_kernels, calib_* (one per
     calibration table, all models), models, costs, benchmarks, provenance."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
@@ -78,6 +89,8 @@ def build(
         "eval": _concat(eval_files),
         "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
         "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
+        "decode_kernels": _concat([f for f in speed_files if "/decode_kernels/" in str(f)]) if any(
+            "/decode_kernels/" in str(f) for f in speed_files) else empty(DECODE_KERNEL_COLUMNS),  # CUDA runs only
         **{
             f"calib_{name}": _concat([f for f in calibration_files if Path(f).stem == name])
             for name in CALIBRATION_TABLES

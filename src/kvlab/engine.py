@@ -275,6 +275,17 @@ def masked_entries(layers: list, width: int) -> torch.Tensor | None:
     return out
 
 
+def decode_path(cache: DynamicCache, device) -> str:
+    """How decoding attends to this cache on `device`: 'triton codes' (the kernel reads the packed codes),
+    'dequantize' (quantized layers rebuilt in full precision at every step) or 'dense'."""
+    quantized = [layer for layer in cache.layers if kvcache.is_quantized(layer)]
+    if not quantized:
+        return "dense"
+    fused = decode_attention.fused_enabled(torch.empty(0, device=device)) and all(
+        isinstance(layer, kvcache.QuantizedKVLayer) and decode_attention.supported(layer) for layer in quantized)
+    return "triton codes" if fused else "dequantize"
+
+
 def own_layout(layer) -> bool:
     """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O: `own_layout`)."""
     return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)

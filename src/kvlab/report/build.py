@@ -474,6 +474,35 @@ def throughput_chart(speed: pd.DataFrame) -> alt.TopLevelMixin:
     ).properties(width=420, height=240).facet(column=alt.Column("device:N", title="device"))
 
 
+def kernel_charts(rows: pd.DataFrame) -> str:
+    """Decode-attention time and bandwidth vs context, one line per format and path, one panel per batch."""
+    data = rows.assign(variant=rows["format"] + " · " + rows["path"])
+    base = alt.Chart(data).mark_line(point=True).encode(
+        x=alt.X("context_tokens:Q", title="context tokens", scale=alt.Scale(type="log", base=2)),
+        color=alt.Color("variant:N", title="format · path"),
+        tooltip=["variant", "context_tokens", "batch", "ms", "gb_per_s", "speedup_vs_sdpa"],
+    ).properties(width=300, height=200)
+    time = base.encode(y=alt.Y("ms:Q", title="ms per call", scale=alt.Scale(type="log"))).facet(column=alt.Column("batch:O", title="batch"))
+    bandwidth = base.encode(y=alt.Y("gb_per_s:Q", title="GB/s (bytes the path must read)")).facet(column=alt.Column("batch:O", title="batch"))
+    return svg(time) + svg(bandwidth)
+
+
+def kernel_section(rows: pd.DataFrame) -> str:
+    intro = (
+        "<p>One decode step of one layer: a query token per sequence against a cache of N tokens with the model's "
+        "head shape (or the configured one), timed on the device (median of repeated calls). <b>sdpa</b>: torch's "
+        "SDPA on the dense cache; <b>flash</b>: FlashAttention, when installed; <b>triton</b>: kvlab's kernel reading "
+        "the packed codes (FP8 E4M3, KIVI INT4/INT2 with the configured group and residual) and dequantizing in "
+        "registers; <b>dequantize</b>: the same codes rebuilt in full precision, then SDPA — what transformers' and "
+        "kvpress's quantized caches do at every step. Bandwidth counts the bytes each path must read: the cache as "
+        "stored (codes, scales, zero points, residual), the query and the output.</p>"
+    )
+    if rows.empty:
+        return intro + ("<p><b>Not measured in this run</b>: the kernel benchmark runs when config.yaml sets "
+                        "<code>device: cuda</code> (without a GPU, Triton only interprets its kernels).</p>")
+    return intro + kernel_charts(rows) + table(rows)
+
+
 def decision_section(dec: pd.DataFrame) -> str:
     if dec.empty:
         return "<p>No compressed method was evaluated in this run.</p>"
@@ -626,12 +655,14 @@ def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[s
             "Decode throughput",
             "<p>Greedy decoding at batch 1 after each method's compression (EOS ignored, so every method decodes "
             "the same number of steps), labelled with the device it ran on. On a CPU with a small model, reading the weights dominates each step; "
-            "fewer cached tokens matter more at long contexts and on accelerators. Quantized caches dequantize "
-            "their codes at every step here (plain torch on the CPU, no fused kernel), so they decode slower than "
-            "the full cache; their speed claim needs a kernel that reads the packed codes directly.</p>"
+            "fewer cached tokens matter more at long contexts and on accelerators. <code>decode_path</code> says how "
+            "each quantized cache was read: <b>triton codes</b> (on CUDA, kvlab's kernel attends to the packed codes "
+            "directly, see the next section) or <b>dequantize</b> (codes rebuilt in full precision at every step, "
+            "as transformers' quantized caches do; the CPU path), which decodes slower than the full cache.</p>"
             + (svg(throughput_chart(q["throughput"])) if not q["throughput"].empty else "") + table(q["throughput"]),
             queries["throughput"],
         ),
+        section("Decode attention kernel over packed codes", kernel_section(q["decode_kernels"]), queries["decode_kernels"]),
         section(
             "Engine vs kvpress pipeline",
             "<p>The same samples, variants and question modes. kvlab's engine prefills each sample once "

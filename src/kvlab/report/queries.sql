@@ -141,8 +141,17 @@ ORDER BY model, scheme, bits DESC, method, budget DESC;
 -- name: throughput
 -- Decode speed at batch 1 after each method's compression, and the KV bytes it holds.
 SELECT model, context_tokens, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
-       kv_bytes, kv_tokens_mean AS kv_tokens, device
+       kv_bytes, kv_tokens_mean AS kv_tokens, decode_path, device
 FROM throughput ORDER BY model, context_tokens, method, budget DESC;
+
+-- name: decode_kernels
+-- Decode attention, one call per layer and step (CUDA only): time and bandwidth per storage format and path,
+-- and the speed-up over SDPA on the dense cache at the same context length and batch.
+WITH dense AS (SELECT model, device, context_tokens, batch, ms AS sdpa_ms FROM decode_kernels WHERE path = 'sdpa')
+SELECT model, device, dtype, context_tokens, batch, format, path, ms, gb_per_s, bytes_read,
+       sdpa_ms / ms AS speedup_vs_sdpa
+FROM decode_kernels LEFT JOIN dense USING (model, device, context_tokens, batch)
+ORDER BY model, device, batch, context_tokens, bits DESC, path;
 
 -- name: engine_vs_pipeline
 -- Wall time of the same grid (samples × variants × question modes): kvlab's engine vs kvpress's pipeline

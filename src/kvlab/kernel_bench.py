@@ -1,0 +1,127 @@
+"""Decode-attention microbenchmark: one query token per sequence against a cache of T tokens in one layer with
+the model's head shape, per storage format and path, timed on the device. Rows: milliseconds per call and the
+bandwidth achieved counting the bytes the path must read (the cache as stored, plus the query and output).
+
+Paths:
+  - ``sdpa``: torch's scaled_dot_product_attention over the dense cache in the model dtype (GQA inside the kernel);
+  - ``flash``: FlashAttention's ``flash_attn_with_kvcache``, when the ``flash_attn`` package is installed;
+  - ``triton``: kvlab's kernel over the packed codes (kvlab.kernels.triton_decode), FP8 / INT4 / INT2 (KIVI);
+  - ``dequantize``: the same codes dequantized to the model dtype, then SDPA — what transformers' and kvpress's
+    quantized caches do at every step.
+Caches hold random normal keys and values (attention cost does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import statistics
+import time
+
+import pandas as pd
+import torch
+
+from kvlab.collect import DECODE_KERNEL_COLUMNS
+from kvlab.kernels import decode_attention, kvcache
+
+log = logging.getLogger(__name__)
+
+COLUMNS = list(DECODE_KERNEL_COLUMNS)
+
+
+def formats(group: int, residual: int) -> dict[str, kvcache.LayerSpec | None]:
+    """The storage formats timed: None is the dense cache in the model dtype."""
+    kivi = lambda bits: kvcache.LayerSpec(  # noqa: E731
+        kvcache.AffineCodec(bits, group, "channel"), kvcache.AffineCodec(bits, group, "token"), group=group, residual=residual
+    )
+    return {"dense": None, "fp8": kvcache.LayerSpec(kvcache.FP8Codec(), kvcache.FP8Codec(), group=1, residual=0),
+            "int4": kivi(4), "int2": kivi(2)}
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median milliseconds of `fn()` after a warm-up call (compilation, autotuning, caches)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFrame:
+    """Rows for every (format, path, context, batch) of `spec` (config `decode_kernels`), at the head shape
+    `spec` gives or else `card`'s (the model's)."""
+    from kvlab.evaluate import device_name
+
+    dev = torch.device(device)
+    shape = spec.get("shape") or {}
+    heads = shape.get("kv_heads", card["num_kv_heads"])
+    q_heads = shape.get("query_heads", card["num_query_heads"])
+    dim = shape.get("head_dim", card["head_dim"])
+    if q_heads % heads:
+        raise ValueError(f"decode_kernels.shape: query_heads {q_heads} is not a multiple of kv_heads {heads}")
+    scaling = dim**-0.5
+    has_flash = dev.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    rows = []
+    for tokens in spec["context_tokens"]:
+        for batch in spec["batches"]:
+            g = torch.Generator(device=dev).manual_seed(tokens + batch)
+            keys = torch.randn(batch, heads, tokens, dim, generator=g, device=dev, dtype=dtype)
+            values = torch.randn(batch, heads, tokens, dim, generator=g, device=dev, dtype=dtype)
+            q = torch.randn(batch, q_heads, dim, generator=g, device=dev, dtype=dtype)
+            new_k, new_v = keys[:, :, -1:], values[:, :, -1:]
+            out_bytes = batch * q_heads * dim * 4  # the merged float32 output
+            for name, layer_spec in formats(spec["group"], spec["residual"]).items():
+                if layer_spec is None:
+                    calls = {"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(
+                        q[:, :, None], keys, values, scale=scaling, enable_gqa=True)}
+                    if has_flash:
+                        from flash_attn import flash_attn_with_kvcache
+
+                        kt, vt, qt = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), q[:, None]
+                        calls["flash"] = lambda: flash_attn_with_kvcache(qt, kt, vt, softmax_scale=scaling)
+                    read = _bytes(keys, values, q) + batch * q_heads * dim * keys.element_size()
+                    bits = 8 * keys.element_size()
+                else:
+                    layer = kvcache.layer_from_dense(keys[:, :, :-1], values[:, :, :-1], layer_spec)
+                    calls = {
+                        "triton": lambda: decode_attention.decode_attention(q, layer, new_k, new_v, scaling, fused=True),
+                        "dequantize": lambda: torch.nn.functional.scaled_dot_product_attention(
+                            q[:, :, None], *layer.full(new_k, new_v), scale=scaling, enable_gqa=True),
+                    }
+                    read = layer.nbytes() + _bytes(q, new_k, new_v) + out_bytes
+                    bits = layer_spec.key.bits if hasattr(layer_spec.key, "bits") else 8
+                for path, fn in calls.items():
+                    ms = timed(fn, dev, spec["repeats"])
+                    rows.append({
+                        "model": card["name"], "format": name, "path": path, "bits": bits, "context_tokens": tokens,
+                        "batch": batch, "kv_heads": heads, "query_heads": q_heads, "head_dim": dim, "ms": ms,
+                        "bytes_read": read, "gb_per_s": read / ms / 1e6, "dtype": str(dtype).removeprefix("torch."),
+                        "device": device_name(device),
+                    })
+                    log.info("%s/%s T=%d B=%d: %.3f ms, %.1f GB/s", name, path, tokens, batch, ms, rows[-1]["gb_per_s"])
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def decode_kernels(model_dir, spec: dict, run: dict, out_path) -> pd.DataFrame:
+    """The benchmark for one model (rule decode_kernels), written as Parquet."""
+    from kvlab.io import write_parquet
+    from kvlab.models.card import read_card
+
+    torch.set_num_threads(run["threads"])
+    frame = bench(read_card(model_dir), spec, run["device"], getattr(torch, run["dtype"]))
+    write_parquet(frame, out_path)
+    return frame
