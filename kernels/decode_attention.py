@@ -6,10 +6,10 @@ The quantized part is attended segment by segment, each returning its softmax st
 ``lse = logsumexp(lse_i)``, ``o = Σ exp(lse_i − lse) · o_i``. The full-precision tokens (sinks, residual, the
 new token) are a short dense segment; the codes are one segment per split of the token axis.
 
-This module holds the torch reference of the code segment (dequantize with ``kvlab.kernels.quant``, then
-dense attention) and the dispatcher; ``kvlab.kernels.triton_decode`` computes the same segment in one Triton
-kernel that reads the packed codes and dequantizes in registers (tests/test_decode_attention.py checks they agree
-under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
+This module holds the torch reference (the codes dequantized with ``kvlab.kernels.quant``, then dense attention
+per segment, then the merge) and the dispatcher; ``kvlab.kernels.triton_decode`` computes the same output with
+one Triton kernel that reads the packed codes and dequantizes in registers, plus a merge kernel
+(tests/test_decode_attention.py checks they agree under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present).
 
 Formats read (written by ``kvlab.kernels.kvcache``; B batch, H KV heads, T quantized tokens, D head dim):
   - affine on ``channel`` (KIVI keys): codes (B, H, T/G, D, G·bits/8), scale and zero (B, H, T/G, D) fp16;
@@ -95,15 +95,14 @@ def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values:
         fused = fused_enabled(q) and fmt is not None
     if fused and fmt is None:
         raise ValueError(f"no fused decode kernel for keys {layer.spec.key!r} and values {layer.spec.value!r}")
-    dense = [t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None]
-    dense_v = [t for t in (layer.sink_values, layer.values, new_values) if t is not None]
-    states = [dense_segment(q, torch.cat(dense, dim=-2), torch.cat(dense_v, dim=-2), scaling)]
-    if layer.quantized:
-        if fused:
-            from kvlab.kernels import triton_decode
+    dense_k = torch.cat([t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None], dim=-2)
+    dense_v = torch.cat([t for t in (layer.sink_values, layer.values, new_values) if t is not None], dim=-2)
+    if fused:
+        from kvlab.kernels import triton_decode
 
-            states.append(triton_decode.codes_segment(q, layer, fmt, scaling))
-        else:
-            states.append(codes_segment_reference(q, layer, scaling))
+        return triton_decode.attend(q, layer, fmt, dense_k, dense_v, scaling)
+    states = [dense_segment(q, dense_k, dense_v, scaling)]
+    if layer.quantized:
+        states.append(codes_segment_reference(q, layer, scaling))
     return merge(states)
 

@@ -66,21 +66,20 @@ def test_reference_equals_dense_attention_over_the_dequantized_cache(name, token
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("tokens, splits", [(45, None), (203, 1), (203, 3), (333, None)])
+@pytest.mark.parametrize("tokens, splits", [(3, None), (45, None), (203, 1), (203, 3), (333, None)])
 def test_triton_kernel_equals_the_reference(device, name, tokens, splits):
+    """Codes in 1 or more splits plus the dense tokens (sinks, residual, new) in one launch, merged in a second;
+    3 tokens: nothing quantized yet, the dense program alone."""
     from kvlab.kernels import triton_decode
 
     layer, q, new_k, new_v = layer_and_query(name, tokens, device=device, seed=tokens)
-    assert layer.quantized > 0 and da.supported(layer)
-    o, lse = triton_decode.codes_segment(q, layer, da.supported(layer), 0.125, splits=splits, block_t=32)
-    if splits:
-        assert o.shape[2] == splits
-    want = da.codes_segment_reference(q, layer, 0.125)
-    got = da.merge([(o, lse)])
-    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(torch.logsumexp(lse, dim=-1), want[1], rtol=1e-5, atol=1e-5)
-    fused = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=True)
-    torch.testing.assert_close(fused, da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False), rtol=1e-5, atol=1e-5)
+    assert da.supported(layer) and (layer.quantized > 0) == (tokens > 10)
+    dense_k, dense_v = (torch.cat([t for t in parts if t is not None], dim=-2) for parts in
+                        ((layer.sink_keys, layer.keys, new_k), (layer.sink_values, layer.values, new_v)))
+    got = triton_decode.attend(q, layer, da.supported(layer), dense_k, dense_v, 0.125, splits=splits, block_t=32)
+    want = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(da.decode_attention(q, layer, new_k, new_v, 0.125, fused=True), want, rtol=1e-5, atol=1e-5)
 
 
 def test_merge_of_segments_equals_attention_over_their_union():
