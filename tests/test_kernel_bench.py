@@ -63,3 +63,16 @@ def test_report_draws_the_kernel_section_from_rows(rows, smoke_run, tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert "Not measured in this run" not in page
     assert "ms per call" in page and "GB/s (bytes the path must read)" in page and "speedup_vs_sdpa" in page
+
+
+def test_command_line_for_a_bare_gpu_machine(tmp_path, capsys):
+    out = tmp_path / "rows.parquet"
+    kernel_bench.main(["--shape", "2,4,16", "--shape", "1,2,32", "--contexts", "90", "--batches", "1", "--group", "16",
+                       "--residual", "8", "--repeats", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
+    import pandas as pd
+
+    rows = pd.read_parquet(out)
+    assert len(rows) == 2 * 7 and set(rows["head_dim"]) == {16, 32} and set(rows["model"]) == {"shape 2/4/16", "shape 1/2/32"}
+    with pytest.raises(SystemExit):
+        kernel_bench.main(["--shape", "8x32", "--out", str(out)])
+    assert "--shape '8x32': expected three integers kv_heads,query_heads,head_dim" in capsys.readouterr().err

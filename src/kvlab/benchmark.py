@@ -18,7 +18,8 @@ import pandas as pd
 import torch
 
 from kvlab.engine import cache_stats, compress, decode_path, evaluate_sample, greedy_decode, prefill
-from kvlab.evaluate import device_name, load_model
+from kvlab.evaluate import load_model
+from kvlab.hardware import device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card

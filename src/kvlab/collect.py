@@ -11,17 +11,10 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
+from kvlab.columns import DECODE_KERNEL_COLUMNS
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path
 from kvlab.models.card import read_card
-
-# Columns of kvlab.kernel_bench's rows, typed: the table exists (empty) in runs without CUDA.
-DECODE_KERNEL_COLUMNS = {
-    "model": "string", "format": "string", "path": "string", "bits": "int64", "context_tokens": "int64",
-    "batch": "int64", "kv_heads": "int64", "query_heads": "int64", "head_dim": "int64", "ms": "float64",
-    "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
-}
-
 
 def empty(columns: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame({c: pd.Series(dtype=d) for c, d in columns.items()})

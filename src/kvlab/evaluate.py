@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from kvlab.engine import evaluate_sample
+from kvlab.hardware import device_name
 from kvlab.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
 from kvlab.methods import variants
@@ -76,11 +77,3 @@ def run_job(
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
     write_parquet(frame, out_path)
     return frame
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    import platform
-
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"

@@ -21,7 +21,8 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.collect import DECODE_KERNEL_COLUMNS
+from kvlab.columns import DECODE_KERNEL_COLUMNS
+from kvlab.hardware import device_name
 from kvlab.kernels import decode_attention, kvcache
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,6 @@ def _bytes(*tensors: torch.Tensor) -> int:
 def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFrame:
     """Rows for every (format, path, context, batch) of `spec` (config `decode_kernels`), at the head shape
     `spec` gives or else `card`'s (the model's)."""
-    from kvlab.evaluate import device_name
-
     dev = torch.device(device)
     shape = spec.get("shape") or {}
     heads = shape.get("kv_heads", card["num_kv_heads"])
@@ -125,3 +124,37 @@ def decode_kernels(model_dir, spec: dict, run: dict, out_path) -> pd.DataFrame:
     frame = bench(read_card(model_dir), spec, run["device"], getattr(torch, run["dtype"]))
     write_parquet(frame, out_path)
     return frame
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line for a bare GPU machine (torch, triton, transformers, pandas and pyarrow; no workflow):
+    python -m kvlab.kernel_bench --shape 2,14,64 --out rows.parquet"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvlab.kernel_bench", description=main.__doc__.splitlines()[0])
+    ap.add_argument("--shape", action="append", required=True, help="kv_heads,query_heads,head_dim (repeatable)")
+    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--residual", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    frames = []
+    for shape in args.shape:
+        try:
+            heads, q_heads, dim = (int(x) for x in shape.split(","))
+        except ValueError:
+            ap.error(f"--shape {shape!r}: expected three integers kv_heads,query_heads,head_dim, e.g. 8,32,128")
+        spec = {"context_tokens": [int(x) for x in args.contexts.split(",")], "batches": [int(x) for x in args.batches.split(",")],
+                "group": args.group, "residual": args.residual, "repeats": args.repeats}
+        card = {"name": f"shape {heads}/{q_heads}/{dim}", "num_kv_heads": heads, "num_query_heads": q_heads, "head_dim": dim}
+        frames.append(bench(card, spec, args.device, getattr(torch, args.dtype)))
+    pd.concat(frames, ignore_index=True).to_parquet(args.out, index=False)
+
+
+if __name__ == "__main__":
+    main()
