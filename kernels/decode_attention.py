@@ -28,8 +28,13 @@ import torch
 FUSED: bool | None = None
 
 
-def fused_enabled(x: torch.Tensor) -> bool:
-    return x.is_cuda if FUSED is None else FUSED
+def fused_enabled(device) -> bool:
+    return torch.device(device).type == "cuda" if FUSED is None else FUSED
+
+
+def fused_rows(layers: list, device) -> bool:
+    """Whether decode steps on `device` attend to these cache layers with the kernel: all in a format it reads."""
+    return fused_enabled(device) and all(supported(layer) for layer in layers)
 
 
 def dense_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,23 +61,19 @@ def merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 
 
 def supported(layer) -> str | None:
-    """The fused format of a quantized layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None
-    where the kernel has none (KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs)."""
-    from kvlab.kernels.kvcache import AffineCodec, FP8Codec
+    """The fused format of a cache layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None where
+    the kernel has none (not a ``QuantizedKVLayer``; KVQuant's pre-RoPE grid keys, which need each token's RoPE
+    tables; mixed codecs)."""
+    from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
 
+    if not isinstance(layer, QuantizedKVLayer):
+        return None
     key, value = layer.spec.key, layer.spec.value
     if isinstance(key, FP8Codec) and isinstance(value, FP8Codec):
         return "fp8"
     if isinstance(key, AffineCodec) and isinstance(value, AffineCodec) and not layer.spec.rope:
         return "affine"
     return None
-
-
-def fp8_scales(codec, heads: int, device) -> torch.Tensor:
-    """Per-KV-head float32 scales of an ``FP8Codec`` (the dynamic per-tensor scale repeated per head)."""
-    if codec.scales is not None:
-        return codec.scales.to(device, torch.float32)
-    return codec.dynamic.to(device, torch.float32).expand(heads).contiguous()
 
 
 def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +93,7 @@ def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values:
         raise ValueError(f"decode attention takes one query token per sequence: q (B, H_q, D), got {tuple(q.shape)}")
     fmt = supported(layer)
     if fused is None:
-        fused = fused_enabled(q) and fmt is not None
+        fused = fused_enabled(q.device) and fmt is not None
     if fused and fmt is None:
         raise ValueError(f"no fused decode kernel for keys {layer.spec.key!r} and values {layer.spec.value!r}")
     dense_k = torch.cat([t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None], dim=-2)

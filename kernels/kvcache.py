@@ -89,15 +89,17 @@ class FP8Codec:
     scales: torch.Tensor | None = None  # (H,) float32, static
     dynamic: torch.Tensor | None = field(default=None, repr=False)  # () float32, set on first encode
 
+    def head_scales(self, heads: int, device) -> torch.Tensor:
+        """One float32 scale per KV head (H,): the static ones, or the dynamic per-tensor scale repeated."""
+        if self.scales is not None:
+            return self.scales.to(device, torch.float32)
+        return self.dynamic.to(device, torch.float32).expand(heads)
+
     def _row_scales(self, x: torch.Tensor) -> torch.Tensor:
         b, h, n, _ = x.shape
-        if self.scales is not None:
-            per_head = self.scales.to(x.device, torch.float32)
-        else:
-            if self.dynamic is None:
-                self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(1e-12)
-            per_head = self.dynamic.expand(h)
-        return per_head.view(1, h, 1).expand(b, h, n).reshape(-1)
+        if self.scales is None and self.dynamic is None:
+            self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(1e-12)
+        return self.head_scales(h, x.device).view(1, h, 1).expand(b, h, n).reshape(-1)
 
     def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
         codes = ops(x).fp8_quantize(x.reshape(-1, x.shape[-1]), self._row_scales(x))
@@ -222,23 +224,17 @@ class QuantizedKVLayer(DynamicLayer):
     def update(self, key_states, value_states, cache_kwargs: dict | None = None):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check(key_states, value_states)
-        out = self.full(key_states, value_states)
-        self.append(key_states, value_states, cache_kwargs, checked=True)
+        out = self.full(key_states, value_states)  # a view only: nothing is stored before append's checks
+        self.append(key_states, value_states, cache_kwargs)
         return out
 
-    @staticmethod
-    def _check(key_states, value_states) -> None:
-        for t, what in ((key_states, "keys"), (value_states, "values")):
-            quant.check_input(t, f"quantized cache layer {what}")
-
-    def append(self, key_states, value_states, cache_kwargs: dict | None = None, checked: bool = False) -> None:
+    def append(self, key_states, value_states, cache_kwargs: dict | None = None) -> None:
         """Store new tokens (residual, then complete groups into codes) without building the dequantized view:
         the fused decode path (``decode_attention``) attends to the codes where they lie."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not checked:
-            self._check(key_states, value_states)
+        for t, what in ((key_states, "keys"), (value_states, "values")):
+            quant.check_input(t, f"quantized cache layer {what}")
         if self.spec.rope:
             if not cache_kwargs or "cos" not in cache_kwargs:
                 raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")

@@ -18,10 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.decode_attention import fp8_scales
 from kvlab.kernels.triton_quant import e4m3_to_float
 
 _PROGRAMS = 264  # programs to aim for: two per SM of an H100 (132 SMs); more splits only add merge work
+_BYTES = {"KBITS": 8, "KG": 1, "KCHANNEL": False, "VBITS": 8, "VG": 1, "VCHANNEL": False}  # one code per byte
 
 
 @triton.jit
@@ -142,12 +142,11 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
     lse = torch.empty(b, hq, n_splits + 1, dtype=torch.float32, device=q.device)
     key, value = layer.stored["key"], layer.stored["value"]
     if not t:  # nothing quantized yet: the dense program alone (the code pointers are never read)
-        tensors = (dense_k,) * 6
-        layout = {"KBITS": 8, "KG": 1, "KCHANNEL": False, "VBITS": 8, "VG": 1, "VCHANNEL": False}
+        tensors, layout = (dense_k,) * 6, _BYTES
     elif fmt == "fp8":
-        tensors = (key["codes"], fp8_scales(layer.spec.key, h, q.device), key["codes"],
-                   value["codes"], fp8_scales(layer.spec.value, h, q.device), value["codes"])
-        layout = {"KBITS": 8, "KG": 1, "KCHANNEL": False, "VBITS": 8, "VG": 1, "VCHANNEL": False}
+        tensors = (key["codes"], layer.spec.key.head_scales(h, q.device), key["codes"],
+                   value["codes"], layer.spec.value.head_scales(h, q.device), value["codes"])
+        layout = _BYTES
     else:
         tensors = (key["codes"], key["scale"], key["zero"], value["codes"], value["scale"], value["zero"])
         layout = {}

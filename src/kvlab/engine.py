@@ -281,9 +281,7 @@ def decode_path(cache: DynamicCache, device) -> str:
     quantized = [layer for layer in cache.layers if kvcache.is_quantized(layer)]
     if not quantized:
         return "dense"
-    fused = decode_attention.fused_enabled(torch.empty(0, device=device)) and all(
-        isinstance(layer, kvcache.QuantizedKVLayer) and decode_attention.supported(layer) for layer in quantized)
-    return "triton codes" if fused else "dequantize"
+    return "triton codes" if decode_attention.fused_rows(quantized, device) else "dequantize"
 
 
 def own_layout(layer) -> bool:
@@ -321,9 +319,7 @@ class Rows(DynamicLayer):
 
     def fused(self, key_states) -> bool:
         """A one-token step over rows that are all quantized in a format the decode kernel reads."""
-        return key_states.shape[-2] == 1 and decode_attention.fused_enabled(key_states) and all(
-            isinstance(r, kvcache.QuantizedKVLayer) and decode_attention.supported(r) for r in self.rows
-        )
+        return key_states.shape[-2] == 1 and decode_attention.fused_rows(self.rows, key_states.device)
 
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
