@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -70,11 +71,17 @@ def qwen(qwen_dir):
     return load_model(qwen_dir, "float32", "cpu")
 
 
-def snakemake(workdir: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "2", *args],
-        cwd=workdir, capture_output=True, text=True, timeout=timeout,
+        cwd=workdir, capture_output=True, text=True, timeout=timeout, env=env,
     )
+
+
+def job_counts(out: str) -> dict[str, int]:
+    """The 'Job stats' table snakemake prints: rule -> number of jobs."""
+    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M)}
 
 
 def workflow_copy(work: Path) -> Path:

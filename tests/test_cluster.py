@@ -4,8 +4,6 @@ the smoke preset on a real single-node SLURM (tests/slurm_local.py) with the sam
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import workflow_copy
+from conftest import job_counts, snakemake, workflow_copy
 from kvlab.config import resolve
 from slurm_local import PARTITION, Unavailable, jobs, local_slurm
 
@@ -22,18 +20,9 @@ TIMING = re.compile(r"(_s|speedup\w*)$")  # wall-clock columns differ between an
 
 
 def dry_run(work: Path, *args: str) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "results/report.html", "-n", *args],
-        cwd=work, capture_output=True, text=True, timeout=300,
-    )
+    proc = snakemake(work, "--profile", "profiles/slurm", "results/report.html", "-n", *args, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
-
-
-def job_counts(out: str) -> dict[str, int]:
-    """The 'Job stats' table snakemake prints: rule -> number of jobs."""
-    table = out.split("Job stats:", 1)[1].split("total", 1)[0]
-    return {rule: int(n) for rule, n in re.findall(r"^(\w+)\s+(\d+)$", table, flags=re.M)}
 
 
 def parsed(work: Path, monkeypatch, *argv: str):
@@ -107,12 +96,9 @@ def test_smoke_preset_runs_through_slurm_as_it_runs_locally(smoke_run, slurm, tm
     """Every non-local job goes through sbatch on a real SLURM controller and node; the rows equal the local run's."""
     work = workflow_copy(tmp_path / "work")
     # The test cluster has no accounting daemon (slurmdbd), hence squeue for status and no account to guess.
-    proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "--profile", "profiles/slurm", "results/report.html",
-         "--config", "preset=smoke", "--slurm-status-command", "squeue",
-         "--slurm-init-seconds-before-status-checks", "2", "--slurm-no-account", "--slurm-keep-successful-logs"],
-        cwd=work, env=slurm, capture_output=True, text=True, timeout=1500,
-    )
+    proc = snakemake(work, "--profile", "profiles/slurm", "results/report.html", "--config", "preset=smoke",
+                     "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2",
+                     "--slurm-no-account", "--slurm-keep-successful-logs", timeout=1500, env=slurm)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     scheduled = jobs(slurm)
 

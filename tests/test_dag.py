@@ -1,7 +1,6 @@
 """The whole workflow on the tiny model in a temp directory: every rule runs, rows land in DuckDB,
 the report is written, and a second run has nothing to do."""
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +8,7 @@ from pathlib import Path
 import duckdb
 import yaml
 
-from conftest import snakemake
+from conftest import job_counts, snakemake
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.methods import evicts
 
@@ -123,5 +122,5 @@ def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path)
     proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules", "--configfile", str(tmp_path / "more.yaml"),
                      "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", proc.stdout + proc.stderr, flags=re.M))
-    assert counts.get("evaluate") == "1" and "calibrate" not in counts, proc.stdout[-2000:]
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts.get("evaluate") == 1 and "calibrate" not in counts, proc.stdout[-2000:]

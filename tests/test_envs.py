@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import snakemake
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "model": {"acquire_model", "calibrate", "evaluate", "throughput", "engine_vs_pipeline", "decode_kernels"},
@@ -109,8 +111,7 @@ def test_report_rules_run_in_their_env_without_the_model_packages(report_env, sm
     outputs = {"cost_table": "results/accounting/costs.parquet", "collect": "results/kvlab.duckdb", "report": "results/report.html"}
     for out in outputs.values():
         (work / out).unlink()
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--cores", "1", "results/report.html", "--config", "preset=smoke",
-                           "--rerun-triggers", "mtime", "--skip-script-cleanup"], cwd=work, capture_output=True, text=True, timeout=600)
+    proc = snakemake(work, "results/report.html", "--config", "preset=smoke", "--rerun-triggers", "mtime", "--skip-script-cleanup")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert set(re.findall(r"^localrule (\w+):", proc.stdout + proc.stderr, flags=re.M)) == set(GROUPS["report"])
     host = str(Path(sys.prefix).resolve())

@@ -16,9 +16,6 @@ from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path
 from kvlab.models.card import read_card
 
-def empty(columns: dict[str, str]) -> pd.DataFrame:
-    return pd.DataFrame({c: pd.Series(dtype=d) for c, d in columns.items()})
-
 PACKAGES = ("torch", "transformers", "kvpress", "snakemake", "duckdb", "altair", "triton", "kvlab")
 
 
@@ -82,8 +79,7 @@ def build(
         "eval": _concat(eval_files),
         "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
         "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
-        "decode_kernels": _concat([f for f in speed_files if "/decode_kernels/" in str(f)]) if any(
-            "/decode_kernels/" in str(f) for f in speed_files) else empty(DECODE_KERNEL_COLUMNS),  # CUDA runs only
+        "decode_kernels": _concat([f for f in speed_files if "/decode_kernels/" in str(f)], DECODE_KERNEL_COLUMNS),
         **{
             f"calib_{name}": _concat([f for f in calibration_files if Path(f).stem == name])
             for name in CALIBRATION_TABLES
@@ -105,5 +101,8 @@ def build(
             con.close()
 
 
-def _concat(files: list) -> pd.DataFrame:
+def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:
+    """The files' rows; with no files, a table of the `empty` typed columns (a table only some runs write)."""
+    if not files and empty is not None:
+        return pd.DataFrame({c: pd.Series(dtype=d) for c, d in empty.items()})
     return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import functools
 import importlib.util
 from pathlib import Path
 
@@ -116,8 +117,7 @@ def _check_semantics(config: dict, where: str) -> None:
             if method.get("wrapper_kwargs") and "wrapper" not in method:
                 raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs': needs a `wrapper` press to configure")
             wrapper = method.get("wrapper")
-            wrappers = kvpress_wrapper_names() if wrapper is not None else set()
-            if wrapper is not None and wrapper not in wrappers:
+            if wrapper is not None and wrapper not in (wrappers := kvpress_wrapper_names()):
                 what = "is a press that wraps no other" if wrapper in presses else "is not a kvpress press"
                 raise ConfigError(f"{where}: key 'methods.{name}.wrapper': '{wrapper}' {what}; wrappers: {', '.join(sorted(wrappers))}")
             if "press" in method.get("wrapper_kwargs", {}):
@@ -176,9 +176,10 @@ CALIBRATION_TABLES = (
 )  # what the calibrate rule writes per model (see kvlab.calibrate)
 
 
-def kvpress_wrapper_names() -> set[str]:
+@functools.cache
+def kvpress_wrapper_names() -> frozenset[str]:
     """Exported presses that wrap another (a dataclass field `press`, declared or inherited), read from kvpress's
-    sources like the names."""
+    sources like the names (once per process: every preset of every snakemake start is validated)."""
     spec = importlib.util.find_spec("kvpress")
     bases, wrappers = {}, set()
     for source in Path(spec.origin).parent.rglob("*.py"):
@@ -189,7 +190,7 @@ def kvpress_wrapper_names() -> set[str]:
                     wrappers.add(node.name)
     while grown := {c for c, b in bases.items() if b & wrappers} - wrappers:
         wrappers |= grown
-    return wrappers & kvpress_press_names()
+    return frozenset(wrappers & kvpress_press_names())
 
 
 def kvpress_press_names() -> set[str]:

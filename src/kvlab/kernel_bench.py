@@ -58,10 +58,6 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFrame:
     """Rows for every (format, path, context, batch) of `spec` (config `decode_kernels`), at the head shape
     `spec` gives or else `card`'s (the model's)."""
@@ -92,7 +88,7 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
 
                         kt, vt, qt = keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous(), q[:, None]
                         calls["flash"] = lambda: flash_attn_with_kvcache(qt, kt, vt, softmax_scale=scaling)
-                    read = _bytes(keys, values, q) + batch * q_heads * dim * keys.element_size()
+                    read = sum(map(kvcache.tensor_nbytes, (keys, values, q))) + batch * q_heads * dim * keys.element_size()
                     bits = 8 * keys.element_size()
                 else:
                     layer = kvcache.layer_from_dense(keys[:, :, :-1], values[:, :, :-1], layer_spec)
@@ -101,7 +97,7 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
                         "dequantize": lambda: torch.nn.functional.scaled_dot_product_attention(
                             q[:, :, None], *layer.full(new_k, new_v), scale=scaling, enable_gqa=True),
                     }
-                    read = layer.nbytes() + _bytes(q, new_k, new_v) + out_bytes
+                    read = layer.nbytes() + sum(map(kvcache.tensor_nbytes, (q, new_k, new_v))) + out_bytes
                     bits = layer_spec.key.bits if hasattr(layer_spec.key, "bits") else 8
                 for path, fn in calls.items():
                     ms = timed(fn, dev, spec["repeats"])
@@ -143,14 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    spec = {"context_tokens": [int(x) for x in args.contexts.split(",")], "batches": [int(x) for x in args.batches.split(",")],
+            "group": args.group, "residual": args.residual, "repeats": args.repeats}
     frames = []
     for shape in args.shape:
         try:
             heads, q_heads, dim = (int(x) for x in shape.split(","))
         except ValueError:
             ap.error(f"--shape {shape!r}: expected three integers kv_heads,query_heads,head_dim, e.g. 8,32,128")
-        spec = {"context_tokens": [int(x) for x in args.contexts.split(",")], "batches": [int(x) for x in args.batches.split(",")],
-                "group": args.group, "residual": args.residual, "repeats": args.repeats}
         card = {"name": f"shape {heads}/{q_heads}/{dim}", "num_kv_heads": heads, "num_query_heads": q_heads, "head_dim": dim}
         frames.append(bench(card, spec, args.device, getattr(torch, args.dtype)))
     pd.concat(frames, ignore_index=True).to_parquet(args.out, index=False)
