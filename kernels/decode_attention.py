@@ -60,20 +60,44 @@ def merge(states: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return (weight[..., None] * os).sum(2)
 
 
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def tileable(codec, spec, head_dim: int) -> bool:
+    """Whether the kernel's tiles fit an affine codec's layout: a channel-axis group is one tile, so a power of
+    two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a power-of-two run of
+    channels holding whole bytes. (16-token tiles, which a tensor-core product allows, gave wrong bf16 outputs
+    on an H200 with Triton 3.6 while float32 was exact; until that is understood they take the dequantizing
+    path.)"""
+    if codec.axis == "channel":
+        return _pow2(codec.group) and 32 <= codec.group <= 128 and spec.group % codec.group == 0
+    g = min(codec.group, head_dim)
+    return _pow2(g) and g * codec.bits >= 8
+
+
 def supported(layer) -> str | None:
     """The fused format of a cache layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None where
-    the kernel has none (not a ``QuantizedKVLayer``; KVQuant's pre-RoPE grid keys, which need each token's RoPE
-    tables; mixed codecs)."""
+    the kernel has none: not a ``QuantizedKVLayer``; a head dim that is not a power of two from 16 to 256;
+    KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs; affine groups its tiles
+    do not fit (see ``tileable``), or keys and values both on the channel axis with different groups."""
     from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
 
-    if not isinstance(layer, QuantizedKVLayer):
+    if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+        return None
+    d = layer.keys.shape[-1]
+    if not (_pow2(d) and 16 <= d <= 256):
         return None
     key, value = layer.spec.key, layer.spec.value
     if isinstance(key, FP8Codec) and isinstance(value, FP8Codec):
         return "fp8"
-    if isinstance(key, AffineCodec) and isinstance(value, AffineCodec) and not layer.spec.rope:
-        return "affine"
-    return None
+    if not (isinstance(key, AffineCodec) and isinstance(value, AffineCodec)) or layer.spec.rope:
+        return None
+    if not (tileable(key, layer.spec, d) and tileable(value, layer.spec, d)):
+        return None
+    if key.axis == value.axis == "channel" and key.group != value.group:
+        return None
+    return "affine"
 
 
 def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:

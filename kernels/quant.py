@@ -116,7 +116,11 @@ def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
         )
     zero = fp16_down(x.amin(1))
     levels = 2**bits - 1
-    scale = fp16_up((x.amax(1) - zero.float()) / levels)
+    span = x.amax(1) - zero.float()
+    # An elementwise divisor, not the int: on CUDA torch divides by a scalar as a multiply by its reciprocal,
+    # which is not IEEE division (seen on an H200: 11130 / 15 gave 742.00004, rounded up to an fp16 scale of
+    # 742.5 where the exact 742 is representable), so scales would depend on the device and miss the kernels'.
+    scale = fp16_up(span / torch.full_like(span, levels))
     s = scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.floor((x - zero.float()[:, None]) / safe[:, None] + 0.5).clamp_(0, levels)

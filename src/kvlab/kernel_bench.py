@@ -39,12 +39,19 @@ def formats(group: int, residual: int) -> dict[str, kvcache.LayerSpec | None]:
             "int4": kivi(4), "int2": kivi(2)}
 
 
+FLUSH_BYTES = 256 << 20  # more than any GPU's last-level cache (H100/H200: 50/60 MB)
+
+
 def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of `fn()` after a warm-up call (compilation, autotuning, caches)."""
+    """Median milliseconds of `fn()` after a warm-up call (compilation, autotuning). On CUDA, a 256 MB buffer
+    is overwritten before each timed call, so every call reads its cache from device memory, not from L2 (an
+    INT4 cache of a few tens of MB would otherwise stay in L2 between calls while a bf16 one would not)."""
     fn()
     samples = []
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     for _ in range(repeats):
         if device.type == "cuda":
+            flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
