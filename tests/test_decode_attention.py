@@ -86,7 +86,8 @@ def test_triton_kernel_equals_the_reference(device, name, tokens, splits):
 @pytest.mark.parametrize("name", FORMATS)
 def test_triton_kernel_in_bf16_is_within_bf16_rounding_of_the_reference(name):
     """A model's dtype: keys, values and weights rounded to bf16 before each dot. Emulating that rounding in torch
-    gives at most 5e-3 relative error on these inputs (4000 tokens, peaked attention), so 1.5e-2 leaves 3x."""
+    (dequantized keys and values, then the softmax weights, rounded to bf16) gives 3.4e-3 to 7.4e-3 relative
+    error on these inputs (4000 tokens, queries ×4), so 1.5e-2 leaves 2x."""
     from kvlab.kernels import triton_decode
 
     layer, q, new_k, new_v = layer_and_query(name, 4000, device="cuda", seed=4)
