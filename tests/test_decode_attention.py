@@ -134,8 +134,8 @@ def test_layers_the_kernel_cannot_read_are_refused_by_name():
 
 
 QUANT_SPECS = {
-    "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 16, "residual": 5, "key_axis": "channel", "value_axis": "token"},
-    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"},
+    "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 32, "residual": 5, "key_axis": "channel", "value_axis": "token"},
+    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 0, "key_axis": "channel", "value_axis": "token"},
     "fp8": {"kind": "quant", "scheme": "fp8", "bits": 8, "group": 1, "scales": "dynamic", "key_axis": "token", "value_axis": "token"},
 }
 

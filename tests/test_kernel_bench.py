@@ -13,7 +13,7 @@ from kvlab import kernel_bench
 from kvlab.report.build import build
 
 CARD = {"name": "toy", "num_kv_heads": 2, "num_query_heads": 4, "head_dim": 16}
-SPEC = {"context_tokens": [100, 161], "batches": [1, 2], "group": 16, "residual": 8, "repeats": 1}
+SPEC = {"context_tokens": [100, 161], "batches": [1, 2], "group": 32, "residual": 8, "repeats": 1}
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,14 @@ def test_one_row_per_format_path_context_and_batch(rows):
 @pytest.mark.parametrize("fmt, bits", [("int4", 4), ("int2", 2)])
 def test_bytes_read_are_the_stored_cache_plus_query_and_output(rows, fmt, bits):
     """KIVI at T tokens: T-1 stored (the newest is the step's own), of which the complete groups beyond the residual
-    are codes with an fp16 scale and zero per (group, channel) for keys and per (token, group) for values."""
-    h, hq, d, g, r = 2, 4, 16, 16, 8
+    are codes with an fp16 scale and zero per (group, channel) for keys and per (token, group of min(G, D)
+    channels) for values."""
+    h, hq, d, g, r = 2, 4, 16, 32, 8
     for _, row in rows[(rows["format"] == fmt) & (rows["path"] == "triton")].iterrows():
         b, stored = row["batch"], row["context_tokens"] - 1
         quantized = (stored - r) // g * g
         codes = 2 * b * h * quantized * d * bits // 8
-        meta = b * h * (quantized // g) * d * 4 + b * h * quantized * (d // g) * 4
+        meta = b * h * (quantized // g) * d * 4 + b * h * quantized * (d // min(g, d)) * 4
         residual = 2 * b * h * (stored - quantized) * d * 4
         step = b * hq * d * 4 + 2 * b * h * d * 4 + b * hq * d * 4  # query, new key and value, output
         assert row["bytes_read"] == codes + meta + residual + step
@@ -67,7 +68,7 @@ def test_report_draws_the_kernel_section_from_rows(rows, smoke_run, tmp_path):
 
 def test_command_line_for_a_bare_gpu_machine(tmp_path, capsys):
     out = tmp_path / "rows.parquet"
-    kernel_bench.main(["--shape", "2,4,16", "--shape", "1,2,32", "--contexts", "90", "--batches", "1", "--group", "16",
+    kernel_bench.main(["--shape", "2,4,16", "--shape", "1,2,32", "--contexts", "90", "--batches", "1", "--group", "32",
                        "--residual", "8", "--repeats", "1", "--device", "cpu", "--dtype", "float32", "--out", str(out)])
     import pandas as pd
 

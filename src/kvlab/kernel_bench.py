@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", action="append", required=True, help="kv_heads,query_heads,head_dim (repeatable)")
     ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--group", type=int, default=32)
+    ap.add_argument("--group", type=int, default=32, choices=[32, 64, 128], help="KIVI group (the tile sizes the kernel reads)")
     ap.add_argument("--residual", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
