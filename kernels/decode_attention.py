@@ -64,6 +64,11 @@ def _pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def head_dim_fits(d: int) -> bool:
+    """Whether the kernel's tiles span a head of `d` channels: a power of two from 16 to 256."""
+    return _pow2(d) and 16 <= d <= 256
+
+
 def tileable(codec, spec, head_dim: int) -> bool:
     """Whether the kernel's tiles fit an affine codec's layout: a channel-axis group is one tile, so a power of
     two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a power-of-two run of
@@ -86,7 +91,7 @@ def supported(layer) -> str | None:
     if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
         return None
     d = layer.keys.shape[-1]
-    if not (_pow2(d) and 16 <= d <= 256):
+    if not head_dim_fits(d):
         return None
     key, value = layer.spec.key, layer.spec.value
     if isinstance(key, FP8Codec) and isinstance(value, FP8Codec):
@@ -108,6 +113,12 @@ def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[tor
     return dense_segment(q, k, v, scaling)
 
 
+def dense_tokens(layer, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full-precision segment (B, H, n, D) keys and values: sinks, residual, then the new token."""
+    return tuple(torch.cat([t for t in parts if t is not None], dim=-2)
+                 for parts in ((layer.sink_keys, layer.keys, new_keys), (layer.sink_values, layer.values, new_values)))
+
+
 def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float,
                      fused: bool | None = None) -> torch.Tensor:
     """Attention output (B, H_q, D) float32 of one new token per sequence over a ``QuantizedKVLayer`` that does
@@ -120,8 +131,7 @@ def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values:
         fused = fused_enabled(q.device) and fmt is not None
     if fused and fmt is None:
         raise ValueError(f"no fused decode kernel for keys {layer.spec.key!r} and values {layer.spec.value!r}")
-    dense_k = torch.cat([t for t in (layer.sink_keys, layer.keys, new_keys) if t is not None], dim=-2)
-    dense_v = torch.cat([t for t in (layer.sink_values, layer.values, new_values) if t is not None], dim=-2)
+    dense_k, dense_v = dense_tokens(layer, new_keys, new_values)
     if fused:
         from kvlab.kernels import triton_decode
 

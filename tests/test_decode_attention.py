@@ -74,8 +74,7 @@ def test_triton_kernel_equals_the_reference(device, name, tokens, splits):
 
     layer, q, new_k, new_v = layer_and_query(name, tokens, device=device, seed=tokens)
     assert da.supported(layer) and (layer.quantized > 0) == (tokens > (100 if name == "kivi4-g64" else 10))
-    dense_k, dense_v = (torch.cat([t for t in parts if t is not None], dim=-2) for parts in
-                        ((layer.sink_keys, layer.keys, new_k), (layer.sink_values, layer.values, new_v)))
+    dense_k, dense_v = da.dense_tokens(layer, new_k, new_v)
     got = triton_decode.attend(q, layer, da.supported(layer), dense_k, dense_v, 0.125, splits=splits, block_t=32)
     want = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -93,8 +92,7 @@ def test_triton_kernel_in_bf16_is_within_bf16_rounding_of_the_reference(name):
     layer, q, new_k, new_v = layer_and_query(name, 4000, device="cuda", seed=4)
     layer = kvcache.layer_from_dense(*(x.bfloat16() for x in layer.full()), layer.spec)
     q, new_k, new_v = (q * 4).bfloat16(), new_k.bfloat16(), new_v.bfloat16()
-    dense_k, dense_v = (torch.cat([t for t in parts if t is not None], dim=-2) for parts in
-                        ((layer.sink_keys, layer.keys, new_k), (layer.sink_values, layer.values, new_v)))
+    dense_k, dense_v = da.dense_tokens(layer, new_k, new_v)
     got = triton_decode.attend(q, layer, da.supported(layer), dense_k, dense_v, 0.125)
     want = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False)
     assert got.isfinite().all()

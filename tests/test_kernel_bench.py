@@ -77,3 +77,10 @@ def test_command_line_for_a_bare_gpu_machine(tmp_path, capsys):
     with pytest.raises(SystemExit):
         kernel_bench.main(["--shape", "8x32", "--out", str(out)])
     assert "--shape '8x32': expected three integers kv_heads,query_heads,head_dim" in capsys.readouterr().err
+
+
+def test_a_head_dim_the_kernel_cannot_read_is_refused_before_timing():
+    import torch
+
+    with pytest.raises(ValueError, match="head_dim 96 has no Triton decode kernel; it reads power-of-two head dims"):
+        kernel_bench.bench({**CARD, "head_dim": 96}, SPEC, "cpu", torch.float32)

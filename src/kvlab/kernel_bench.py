@@ -75,6 +75,9 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
     dim = shape.get("head_dim", card["head_dim"])
     if q_heads % heads:
         raise ValueError(f"decode_kernels.shape: query_heads {q_heads} is not a multiple of kv_heads {heads}")
+    if not decode_attention.head_dim_fits(dim):
+        raise ValueError(f"decode_kernels: head_dim {dim} has no Triton decode kernel; it reads power-of-two head dims "
+                         f"from 16 to 256 (set decode_kernels.shape, e.g. {{kv_heads: 8, query_heads: 32, head_dim: 128}})")
     scaling = dim**-0.5
     has_flash = dev.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
     rows = []
