@@ -70,11 +70,11 @@ def head_dim_fits(d: int) -> bool:
 
 
 def tileable(codec, spec, head_dim: int) -> bool:
-    """Whether the kernel's tiles fit an affine codec's layout: a channel-axis group is one tile, so a power of
-    two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a power-of-two run of
-    channels holding whole bytes. (16-token tiles, which a tensor-core product allows, gave wrong bf16 outputs
-    on an H200 with Triton 3.6 while float32 was exact; until that is understood they take the dequantizing
-    path.)"""
+    """Whether the kernel's tiles fit an affine codec's layout: a tile holds whole channel-axis groups, so a
+    power of two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a
+    power-of-two run of channels holding whole bytes. (16-token groups, one per tile in the kernel's previous
+    version, gave wrong bf16 outputs on an H200 with Triton 3.6 while float32 was exact; until a GPU run shows
+    that tiles of several groups read them right, they take the dequantizing path.)"""
     if codec.axis == "channel":
         return _pow2(codec.group) and 32 <= codec.group <= 128 and spec.group % codec.group == 0
     g = min(codec.group, head_dim)
@@ -85,7 +85,7 @@ def supported(layer) -> str | None:
     """The fused format of a cache layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None where
     the kernel has none: not a ``QuantizedKVLayer``; a head dim that is not a power of two from 16 to 256;
     KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs; affine groups its tiles
-    do not fit (see ``tileable``), or keys and values both on the channel axis with different groups."""
+    do not fit (see ``tileable``), or keys and values both on the channel axis with different groups or bits."""
     from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
 
     if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
@@ -100,8 +100,8 @@ def supported(layer) -> str | None:
         return None
     if not (tileable(key, layer.spec, d) and tileable(value, layer.spec, d)):
         return None
-    if key.axis == value.axis == "channel" and key.group != value.group:
-        return None
+    if key.axis == value.axis == "channel" and (key.group, key.bits) != (value.group, value.bits):
+        return None  # a tile's token order comes from its channel-axis codec's groups and bits (triton_decode)
     return "affine"
 
 

@@ -4,19 +4,27 @@ module for the formats and the merge), computed without writing the dequantized 
 One program per (sequence, KV head, split of the token axis) serves all ``rep`` query heads of its KV head
 (GQA: the codes are read once for the group). It walks its tokens one tile at a time and keeps an online
 softmax (running max, sum, weighted values). Tiles are read in their storage layout, so every load is a
-contiguous run of bytes:
-  - channel-axis codes (KIVI keys): a tile is one group of G tokens, stored as (D channels × G·bits/8 bytes);
-    the codes are shifted out in registers (low bits first) into a (D, G) tile, which is the transposed keys
-    the score product needs, and the group's fp16 scale and zero point per channel are applied to it;
+contiguous run of bytes, and unpacked without moving codes between threads: each byte's codes are shifted out
+onto an axis of their own, and that axis is merged into the tile's token or channel axis. A tile's tokens and
+channels are therefore permuted, never shuffled back; the softmax does not depend on token order, keys and
+values are read in the same order, the query is read in the keys' channel order and the output written in
+the values' (``_order``):
+  - channel-axis codes (KIVI keys): a tile is BLOCK_T / G whole groups, each stored as (D channels × G·bits/8
+    bytes); unpacked, they are the transposed (D, tokens) keys the score product needs, and each group's fp16
+    scale and zero point per channel apply to its columns;
   - token-axis codes (KIVI values, per-token INT8): each token's D·bits/8 bytes, unpacked to (tokens, D), each
     run of g channels scaled by its own scale and zero point;
-  - FP8 E4M3: each token's D bytes, converted by the hardware (E4M3 values are exact in bf16/fp16/fp32); the
+  - FP8 E4M3: each token's D bytes, converted by the hardware (E4M3 values are exact in fp16 and fp32); the
     per-head scales multiply the scores and the output, not every element.
 One more program per (sequence, KV head) attends to the full-precision tokens (sinks, residual, the new one);
 every program writes its (o, lse), and a second small kernel merges them: two launches per layer and step.
 
-Dots run in the query's dtype with float32 accumulation (bf16 on GPU models); float32 queries use exact
-("ieee") dots, which is what the tests compare against the torch reference.
+Over the codes, 16-bit queries (bf16 or fp16 models) use fp16 dots with float32 accumulation: a code becomes
+fp16 without an int→float conversion (``_to_dot``), dequantizes with fp16 scales and zero points in fp16
+(the precision they are stored in; bf16 would round to 8 bits), and the softmax weights are fp16 (11 bits). A
+query is scaled by a power of two into fp16's range first. The dense segment's dots run in the query's dtype.
+Float32 queries use exact ("ieee") float32 dots throughout, which is what the tests compare against the torch
+reference.
 """
 
 from __future__ import annotations
@@ -37,54 +45,67 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @triton.jit
-def _unpack(b, BITS: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr):
-    """Codes (ROWS, NB·8/BITS) int32 from packed bytes (ROWS, NB) int32: code j of a row sits in byte j·BITS/8,
-    lowest bits first (``kvlab.kernels.quant`` packs them so)."""
-    if BITS == 8:
-        return b
-    elif BITS == 4:
-        return tl.reshape(tl.join(b & 15, b >> 4), (ROWS, NB * 2))
-    else:  # 2 bits: join(join(c0, c2), join(c1, c3)) lays the four codes of a byte out in order c0 c1 c2 c3
-        return tl.reshape(tl.join(tl.join(b & 3, (b >> 4) & 3), tl.join((b >> 2) & 3, b >> 6)), (ROWS, NB * 4))
+def _to_dot(code, DT: tl.constexpr):
+    """Integer codes (any shape, int32, 0 … 255) as the dot's dtype, exactly. For fp16 without an int→float
+    conversion: the code's bits ORed into the mantissa of 1024.0 (0x6400) give 1024 + code, minus 1024."""
+    if DT == tl.float16:
+        return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    return code.to(DT)
 
 
 @triton.jit
-def _channel_tile(c, s, z, grp, d, BITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
-    """(D, G) float32: one group of G tokens of channel-axis codes (rows (group, channel) of G·bits/8 bytes),
-    dequantized; ``grp`` is the group's row block (sequence × head × token group)."""
-    NB: tl.constexpr = G * BITS // 8
-    row = grp * D + d
-    b = tl.load(c + row[:, None] * NB + tl.arange(0, NB)[None, :]).to(tl.int32)
-    codes = _unpack(b, BITS, D, NB).to(tl.float32)
-    return codes * tl.load(s + row).to(tl.float32)[:, None] + tl.load(z + row).to(tl.float32)[:, None]
+def _channel_tile(c, s, z, grp, gmask, d, BITS: tl.constexpr, G: tl.constexpr, NGRP: tl.constexpr, D: tl.constexpr,
+                  DT: tl.constexpr):
+    """(D, NGRP·G) in DT: NGRP groups of G tokens of channel-axis codes (rows (group, channel) of G·bits/8 bytes;
+    ``grp`` the first group's row block: sequence × head × token group), dequantized. Column (group i, shift k,
+    byte j) is token i·G + j·8/bits + k: each byte's codes are shifted out on their own axis, so no register
+    shuffle is needed; the token-axis tensor is read in the same order (``_tile_tokens``)."""
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = G // PER
+    row = (grp + tl.arange(0, NGRP))[None, :] * D + d[:, None]  # (D, NGRP)
+    rmask = gmask[None, :]
+    b = tl.load(c + row[:, :, None, None] * NB + tl.arange(0, NB)[None, None, None, :], mask=rmask[:, :, None, None],
+                other=0).to(tl.int32)
+    code = (b >> (tl.arange(0, PER) * BITS)[None, None, :, None]) & ((1 << BITS) - 1)  # (D, NGRP, PER, NB)
+    sc = tl.load(s + row, mask=rmask, other=0).to(DT)[:, :, None, None]
+    zr = tl.load(z + row, mask=rmask, other=0).to(DT)[:, :, None, None]
+    return tl.reshape(_to_dot(code, DT) * sc + zr, (D, NGRP * G))
 
 
 @triton.jit
-def _token_tile(c, s, z, tok, tmask, BITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """(BLOCK_T, D) float32: tokens ``tok`` (row indices sequence × head × token) of token-axis codes, each token's
-    D·bits/8 bytes in a row, one scale and zero point per run of G channels."""
-    NB: tl.constexpr = D * BITS // 8
+def _token_tile(c, s, z, tok, tmask, BITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+                DT: tl.constexpr):
+    """(BLOCK_T, D) in DT: tokens ``tok`` (row indices sequence × head × token) of token-axis codes, each token's
+    D·bits/8 bytes in a row, one scale and zero point per run of G channels. Columns in the order (shift k,
+    group i, byte j) ↔ channel i·G + j·8/bits + k (``_channel_order``)."""
+    PER: tl.constexpr = 8 // BITS
     NG: tl.constexpr = D // G
-    b = tl.load(c + tok[:, None] * NB + tl.arange(0, NB)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-    codes = _unpack(b, BITS, BLOCK_T, NB).to(tl.float32)
-    if NG == 1:
-        return codes * tl.load(s + tok, mask=tmask, other=0).to(tl.float32)[:, None] + \
-            tl.load(z + tok, mask=tmask, other=0).to(tl.float32)[:, None]
-    meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    sc = tl.load(s + meta, mask=tmask[:, None], other=0).to(tl.float32)
-    zr = tl.load(z + meta, mask=tmask[:, None], other=0).to(tl.float32)
-    x = tl.reshape(codes, (BLOCK_T, NG, G)) * sc[:, :, None] + zr[:, :, None]
-    return tl.reshape(x, (BLOCK_T, D))
+    NB: tl.constexpr = G // PER
+    meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]  # (BLOCK_T, NG)
+    b = tl.load(c + meta[:, None, :, None] * NB + tl.arange(0, NB)[None, None, None, :], mask=tmask[:, None, None, None],
+                other=0).to(tl.int32)
+    code = (b >> (tl.arange(0, PER) * BITS)[None, :, None, None]) & ((1 << BITS) - 1)  # (BLOCK_T, PER, NG, NB)
+    sc = tl.load(s + meta, mask=tmask[:, None], other=0).to(DT)[:, None, :, None]
+    zr = tl.load(z + meta, mask=tmask[:, None], other=0).to(DT)[:, None, :, None]
+    return tl.reshape(_to_dot(code, DT) * sc + zr, (BLOCK_T, D))
+
+
+@triton.jit
+def _order(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr):
+    """(A·B·C,) int32: a·SA + b·SB + c·SC over (a, b, c) in row-major order: where a tile's columns come from."""
+    a = tl.arange(0, A)[:, None, None] * SA
+    b = tl.arange(0, B)[None, :, None] * SB
+    return tl.reshape(a + b + tl.arange(0, C)[None, None, :] * SC, (A * B * C,))
 
 
 @triton.jit
 def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
     """One tile of the online softmax: scores of the rep query heads against the tile's keys (given transposed,
-    (D, tokens)), then its values (tokens, D)."""
+    (D, tokens)), then its values (tokens, D); q, kt and v in the dot's dtype."""
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
-        s = tl.dot(q, kt.to(q.dtype))
+        s = tl.dot(q, kt)
     s = tl.where(tmask[None, :], s * scaling, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))  # finite after a program's first tile, which always holds a token
     p = tl.exp(s - m_new[:, None])
@@ -92,7 +113,7 @@ def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
-        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        pv = tl.dot(p.to(v.dtype), v)
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
@@ -102,8 +123,8 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
                    VBITS: tl.constexpr, VG: tl.constexpr, VCHANNEL: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
     """Programs (sequence × KV head, split): splits 0…SPLITS-1 walk the codes, TILES_PER_SPLIT tiles of BLOCK_T
-    tokens each (a channel-axis tile is one group); the last one the ND dense tokens (sinks, residual, the new
-    token). Each writes its softmax state (o, lse) for the rep query heads."""
+    tokens each (a channel-axis tile is BLOCK_T / G whole groups); the last one the ND dense tokens (sinks,
+    residual, the new token). Each writes its softmax state (o, lse) for the rep query heads."""
     bh = tl.program_id(0).to(tl.int64)  # (sequence, KV head), int64 so long caches do not overflow offsets
     split = tl.program_id(1)
     h = bh % H
@@ -111,46 +132,75 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
     d = tl.arange(0, D)
     rmask = r < REP
     qrow = bh * REP + r  # query heads h*rep … h*rep+rep-1 of this sequence
-    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, D), tl.float32)
-    out_scale = 1.0
     if split < SPLITS:
+        DT: tl.constexpr = tl.float32 if IEEE else tl.float16
+        # Where the tile's key columns (the score product's inner axis) and value columns come from, and which
+        # tokens its rows are: see _channel_tile and _token_tile.
+        if FP8 or KCHANNEL:
+            kcol = d
+        else:
+            kcol = _order(8 // KBITS, D // KG, KG * KBITS // 8, 1, KG, 8 // KBITS)
+        if FP8 or VCHANNEL:
+            vcol = d
+        else:
+            vcol = _order(8 // VBITS, D // VG, VG * VBITS // 8, 1, VG, 8 // VBITS)
+        if KCHANNEL:
+            order = _order(BLOCK_T // KG, 8 // KBITS, KG * KBITS // 8, KG, 1, 8 // KBITS)
+        elif VCHANNEL:
+            order = _order(BLOCK_T // VG, 8 // VBITS, VG * VBITS // 8, VG, 1, 8 // VBITS)
+        else:
+            order = tl.arange(0, BLOCK_T)
+        qf = tl.load(q_ptr + qrow[:, None] * D + kcol[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
         score_scale = scaling
+        out_scale = 1.0
+        if not IEEE:  # fp16 dots: q scaled by a power of two into fp16's range (bf16 queries may exceed it)
+            top = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+            q_scale = tl.exp2(tl.minimum(0.0, 14.0 - tl.ceil(tl.log2(top))))
+            qf = qf * q_scale
+            score_scale = scaling / q_scale
+        qc = qf.to(DT)
         if FP8:  # E4M3 codes are exact in the dot's dtype: the head's scales apply to scores and output
-            score_scale = scaling * tl.load(ks + h)
+            score_scale = score_scale * tl.load(ks + h)
             out_scale = tl.load(vs + h)
         first = split * TILES_PER_SPLIT
         last = tl.minimum(first + TILES_PER_SPLIT, tl.cdiv(T, BLOCK_T))
         for tile in range(first, last):
-            t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+            t = tile * BLOCK_T + order
             tmask = t < T
             tok = bh * T + t
             if FP8:
-                k = tl.load(kc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                v = tl.load(vc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(tl.float32)
-                kt = tl.trans(k)
+                kt = tl.trans(tl.load(kc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(DT))
+                v = tl.load(vc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(DT)
             else:
-                if KCHANNEL:  # tiles are the key groups (BLOCK_T == KG)
-                    kt = _channel_tile(kc, ks, kz, bh * tl.cdiv(T, KG) + tile, d, KBITS, KG, D)
+                if KCHANNEL:
+                    grp = tile * (BLOCK_T // KG) + tl.arange(0, BLOCK_T // KG)
+                    kt = _channel_tile(kc, ks, kz, bh * tl.cdiv(T, KG) + tile * (BLOCK_T // KG), grp < tl.cdiv(T, KG),
+                                       d, KBITS, KG, BLOCK_T // KG, D, DT)
                 else:
-                    kt = tl.trans(_token_tile(kc, ks, kz, tok, tmask, KBITS, KG, D, BLOCK_T))
+                    kt = tl.trans(_token_tile(kc, ks, kz, tok, tmask, KBITS, KG, D, BLOCK_T, DT))
                 if VCHANNEL:
-                    v = tl.trans(_channel_tile(vc, vs, vz, bh * tl.cdiv(T, VG) + tile, d, VBITS, VG, D))
+                    grp = tile * (BLOCK_T // VG) + tl.arange(0, BLOCK_T // VG)
+                    v = tl.trans(_channel_tile(vc, vs, vz, bh * tl.cdiv(T, VG) + tile * (BLOCK_T // VG),
+                                               grp < tl.cdiv(T, VG), d, VBITS, VG, BLOCK_T // VG, D, DT))
                 else:
-                    v = _token_tile(vc, vs, vz, tok, tmask, VBITS, VG, D, BLOCK_T)
-            m, l, acc = _online(q, kt, v, tmask, m, l, acc, score_scale, IEEE)
+                    v = _token_tile(vc, vs, vz, tok, tmask, VBITS, VG, D, BLOCK_T, DT)
+            m, l, acc = _online(qc, kt, v, tmask, m, l, acc, score_scale, IEEE)
+        out = qrow * (SPLITS + 1) + split
+        tl.store(o_ptr + out[:, None] * D + vcol[None, :], acc * (out_scale / l[:, None]), mask=rmask[:, None])
     else:
+        qd = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         for start in range(0, ND, BLOCK_T):
             t = start + tl.arange(0, BLOCK_T)
             tmask = t < ND
             off = (bh * ND + t)[:, None] * D + d[None, :]
-            k = tl.load(dk + off, mask=tmask[:, None], other=0.0).to(tl.float32)
-            v = tl.load(dv + off, mask=tmask[:, None], other=0.0).to(tl.float32)
-            m, l, acc = _online(q, tl.trans(k), v, tmask, m, l, acc, scaling, IEEE)
-    out = qrow * (SPLITS + 1) + split
-    tl.store(o_ptr + out[:, None] * D + d[None, :], acc * (out_scale / l[:, None]), mask=rmask[:, None])
+            k = tl.load(dk + off, mask=tmask[:, None], other=0.0)
+            v = tl.load(dv + off, mask=tmask[:, None], other=0.0)
+            m, l, acc = _online(qd, tl.trans(k), v, tmask, m, l, acc, scaling, IEEE)
+        out = qrow * (SPLITS + 1) + split
+        tl.store(o_ptr + out[:, None] * D + d[None, :], acc / l[:, None], mask=rmask[:, None])
     tl.store(lse_ptr + out, m + tl.log(l), mask=rmask)
 
 
@@ -172,12 +222,14 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
            splits: int | None = None, block_t: int | None = None, num_warps: int = 4,
            num_stages: int | None = None) -> torch.Tensor:
     """Attention output (B, H_q, D) float32 of q over the layer's codes and the dense tokens `dense_k`/`dense_v`
-    (B, H, n ≥ 1, D): two launches. The codes are walked in tiles (a channel-axis group, else `block_t` tokens,
-    by default 8192 / D between 32 and 128) split in `splits` parts (by default enough programs to keep every
-    multiprocessor busy), with loads `num_stages` tiles ahead (3; 2 for float32 queries, whose tiles take twice
-    the shared memory). Chosen from a sweep on an H200 (4 or 8 warps, 1 to 3 stages): 4 warps and 3 stages
-    were fastest or within a few percent for every format at batch 8; FP8 at D = 128 ran 15% faster still with 128-token
-    tiles (195 vs 228 µs at batch 8, 32K), untried for INT8, so the default tile stays at 64 there."""
+    (B, H, n ≥ 1, D): two launches. The codes are walked in tiles of `block_t` tokens (a power of two ≥ 16; by
+    default 8192 / D between 32 and 128; at least one channel-axis group) split in `splits` parts (by default
+    enough programs to keep every multiprocessor busy), with loads `num_stages` tiles ahead (3; 2 for float32
+    queries, whose tiles take twice the shared memory). 4 warps and 3 stages were fastest or within a few
+    percent for every format in a sweep on an H200 (4 or 8 warps, 1 to 3 stages, batch 8) of the previous
+    version of this kernel, which read one key group per tile."""
+    if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t is the tokens of a tile: a power of two from 16, got {block_t}")
     b, hq, d = q.shape
     h, t = dense_k.shape[1], layer.quantized
     rep = hq // h
@@ -195,8 +247,8 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
         for tag, codec in (("K", layer.spec.key), ("V", layer.spec.value)):
             channel = codec.axis == "channel"
             layout |= {f"{tag}BITS": codec.bits, f"{tag}G": codec.group if channel else min(codec.group, d), f"{tag}CHANNEL": channel}
-            if channel:
-                block_t = codec.group  # one group per tile (supported() refuses two channel-axis codecs with other groups)
+            if channel:  # whole groups per tile (supported() refuses two channel-axis codecs with other groups)
+                block_t = max(block_t, codec.group)
     tiles = triton.cdiv(t, block_t)
     wanted = splits or max(1, _PROGRAMS_PER_SM * _multiprocessors(q.device) // (b * h))
     per_split = triton.cdiv(tiles, min(tiles, wanted)) if tiles else 0
