@@ -72,13 +72,13 @@ def head_dim_fits(d: int) -> bool:
 def tileable(codec, spec, head_dim: int) -> bool:
     """Whether the kernel's tiles fit an affine codec's layout: a tile holds whole channel-axis groups, so a
     power of two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a
-    power-of-two run of channels holding whole bytes. (16-token groups, one per tile in the kernel's previous
+    power-of-two run of channels whose codes fill whole 32-bit words (the kernel's loads). (16-token groups, one per tile in the kernel's previous
     version, gave wrong bf16 outputs on an H200 with Triton 3.6 while float32 was exact; until a GPU run shows
     that tiles of several groups read them right, they take the dequantizing path.)"""
     if codec.axis == "channel":
         return _pow2(codec.group) and 32 <= codec.group <= 128 and spec.group % codec.group == 0
     g = min(codec.group, head_dim)
-    return _pow2(g) and g * codec.bits >= 8
+    return _pow2(g) and g * codec.bits >= 32
 
 
 def supported(layer) -> str | None:

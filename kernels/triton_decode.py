@@ -3,17 +3,17 @@ module for the formats and the merge), computed without writing the dequantized 
 
 One program per (sequence, KV head, split of the token axis) serves all ``rep`` query heads of its KV head
 (GQA: the codes are read once for the group). It walks its tokens one tile at a time and keeps an online
-softmax (running max, sum, weighted values). Tiles are read in their storage layout, so every load is a
-contiguous run of bytes, and unpacked without moving codes between threads: each byte's codes are shifted out
-onto an axis of their own, and that axis is merged into the tile's token or channel axis. A tile's tokens and
-channels are therefore permuted, never shuffled back; the softmax does not depend on token order, keys and
-values are read in the same order, the query is read in the keys' channel order and the output written in
-the values' (``_order``):
-  - channel-axis codes (KIVI keys): a tile is BLOCK_T / G whole groups, each stored as (D channels × G·bits/8
-    bytes); unpacked, they are the transposed (D, tokens) keys the score product needs, and each group's fp16
+softmax (running max, sum, weighted values). Tiles are read in their storage layout as 32-bit words, so every
+load is a contiguous run, and unpacked without moving codes between threads: each word's codes are shifted
+out onto an axis of their own, and that axis is merged into the tile's token or channel axis. A tile's tokens
+and channels are therefore permuted, never shuffled back; the softmax does not depend on token order, keys
+and values are read in the same order, the query is read in the keys' channel order and the output written
+in the values' (``_order``):
+  - channel-axis codes (KIVI keys): a tile is BLOCK_T / G whole groups, each stored as (D channels × G·bits/32
+    words); unpacked, they are the transposed (D, tokens) keys the score product needs, and each group's fp16
     scale and zero point per channel apply to its columns;
-  - token-axis codes (KIVI values, per-token INT8): each token's D·bits/8 bytes, unpacked to (tokens, D), each
-    run of g channels scaled by its own scale and zero point;
+  - token-axis codes (KIVI values, per-token INT8): each token's D·bits/32 words, unpacked to (tokens, D),
+    each run of g channels scaled by its own scale and zero point;
   - FP8 E4M3: each token's D bytes, converted by the hardware (E4M3 values are exact in fp16 and fp32); the
     per-head scales multiply the scores and the output, not every element.
 One more program per (sequence, KV head) attends to the full-precision tokens (sinks, residual, the new one);
@@ -35,8 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-_PROGRAMS_PER_SM = 4  # programs to aim for per multiprocessor: enough loads in flight to keep memory busy
+_PROGRAMS_PER_SM = 4  # programs per multiprocessor where none is compiled (Triton's CPU interpreter)
 _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in its (o, lse) and merge than it saves
+# Tokens per tile of the dense segment (sinks, residual, new token: tens to a few hundred). Small, so that its
+# full-precision tiles do not set the kernel's shared memory, which every program reserves.
+_BLOCK_DENSE = 32
 
 
 @functools.cache
@@ -44,9 +47,28 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+_RESIDENT: dict[tuple, int] = {}  # programs per multiprocessor, by compiled variant
+
+
+def _resident(compiled, device: torch.device) -> int:
+    """How many programs of a compiled kernel fit on one multiprocessor at once: its registers (allocated per
+    warp in units of 256), shared memory (plus the 1 KB the driver reserves per block) and threads. Splits are
+    sized to this, so that the launch is one full wave: a fixed guess above it leaves a tail wave (at 4 per
+    multiprocessor, a program of 141 registers or 72 KB of shared memory fits only 3 on an H100)."""
+    props = torch.cuda.get_device_properties(device)
+    compiled._init_handles()  # loads the binary, which sets n_regs
+    warps = compiled.metadata.num_warps
+    per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    fits = [getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps),
+            props.max_threads_per_multi_processor // (32 * warps), 32]
+    if compiled.metadata.shared:
+        fits.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
+    return max(1, min(fits))
+
+
 @triton.jit
 def _to_dot(code, DT: tl.constexpr):
-    """Integer codes (any shape, int32, 0 … 255) as the dot's dtype, exactly. For fp16 without an int→float
+    """Integer codes (any shape, int32, 0 … 255) in the dot's dtype, exactly. For fp16 without an int→float
     conversion: the code's bits ORed into the mantissa of 1024.0 (0x6400) give 1024 + code, minus 1024."""
     if DT == tl.float16:
         return (code | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
@@ -56,17 +78,17 @@ def _to_dot(code, DT: tl.constexpr):
 @triton.jit
 def _channel_tile(c, s, z, grp, gmask, d, BITS: tl.constexpr, G: tl.constexpr, NGRP: tl.constexpr, D: tl.constexpr,
                   DT: tl.constexpr):
-    """(D, NGRP·G) in DT: NGRP groups of G tokens of channel-axis codes (rows (group, channel) of G·bits/8 bytes;
-    ``grp`` the first group's row block: sequence × head × token group), dequantized. Column (group i, shift k,
-    byte j) is token i·G + j·8/bits + k: each byte's codes are shifted out on their own axis, so no register
-    shuffle is needed; the token-axis tensor is read in the same order (``_tile_tokens``)."""
-    PER: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = G // PER
+    """(D, NGRP·G) in DT: NGRP groups of G tokens of channel-axis codes (rows (group, channel) of G·bits/32
+    32-bit words; ``grp`` the first group's row block: sequence × head × token group; ``gmask`` the groups that
+    exist), dequantized. Column (group i, shift k, word j) is token i·G + j·32/bits + k: each word's codes are
+    shifted out onto an axis of their own (k), so no code moves between threads."""
+    PER: tl.constexpr = 32 // BITS
+    NW: tl.constexpr = G // PER
     row = (grp + tl.arange(0, NGRP))[None, :] * D + d[:, None]  # (D, NGRP)
     rmask = gmask[None, :]
-    b = tl.load(c + row[:, :, None, None] * NB + tl.arange(0, NB)[None, None, None, :], mask=rmask[:, :, None, None],
-                other=0).to(tl.int32)
-    code = (b >> (tl.arange(0, PER) * BITS)[None, None, :, None]) & ((1 << BITS) - 1)  # (D, NGRP, PER, NB)
+    w = tl.load(c.to(tl.pointer_type(tl.int32)) + row[:, :, None, None] * NW + tl.arange(0, NW)[None, None, None, :],
+                mask=rmask[:, :, None, None], other=0)
+    code = (w >> (tl.arange(0, PER) * BITS)[None, None, :, None]) & ((1 << BITS) - 1)  # (D, NGRP, PER, NW)
     sc = tl.load(s + row, mask=rmask, other=0).to(DT)[:, :, None, None]
     zr = tl.load(z + row, mask=rmask, other=0).to(DT)[:, :, None, None]
     return tl.reshape(_to_dot(code, DT) * sc + zr, (D, NGRP * G))
@@ -76,15 +98,15 @@ def _channel_tile(c, s, z, grp, gmask, d, BITS: tl.constexpr, G: tl.constexpr, N
 def _token_tile(c, s, z, tok, tmask, BITS: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
                 DT: tl.constexpr):
     """(BLOCK_T, D) in DT: tokens ``tok`` (row indices sequence × head × token) of token-axis codes, each token's
-    D·bits/8 bytes in a row, one scale and zero point per run of G channels. Columns in the order (shift k,
-    group i, byte j) ↔ channel i·G + j·8/bits + k (``_channel_order``)."""
-    PER: tl.constexpr = 8 // BITS
+    D·bits/32 32-bit words in a row, one scale and zero point per run of G channels, dequantized. Column
+    (shift k, group i, word j) is channel i·G + j·32/bits + k."""
+    PER: tl.constexpr = 32 // BITS
     NG: tl.constexpr = D // G
-    NB: tl.constexpr = G // PER
+    NW: tl.constexpr = G // PER
     meta = tok[:, None] * NG + tl.arange(0, NG)[None, :]  # (BLOCK_T, NG)
-    b = tl.load(c + meta[:, None, :, None] * NB + tl.arange(0, NB)[None, None, None, :], mask=tmask[:, None, None, None],
-                other=0).to(tl.int32)
-    code = (b >> (tl.arange(0, PER) * BITS)[None, :, None, None]) & ((1 << BITS) - 1)  # (BLOCK_T, PER, NG, NB)
+    w = tl.load(c.to(tl.pointer_type(tl.int32)) + meta[:, None, :, None] * NW + tl.arange(0, NW)[None, None, None, :],
+                mask=tmask[:, None, None, None], other=0)
+    code = (w >> (tl.arange(0, PER) * BITS)[None, :, None, None]) & ((1 << BITS) - 1)  # (BLOCK_T, PER, NG, NW)
     sc = tl.load(s + meta, mask=tmask[:, None], other=0).to(DT)[:, None, :, None]
     zr = tl.load(z + meta, mask=tmask[:, None], other=0).to(DT)[:, None, :, None]
     return tl.reshape(_to_dot(code, DT) * sc + zr, (BLOCK_T, D))
@@ -121,7 +143,7 @@ def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
 def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, ND, REP, SPLITS, TILES_PER_SPLIT,
                    scaling, FP8: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KCHANNEL: tl.constexpr,
                    VBITS: tl.constexpr, VG: tl.constexpr, VCHANNEL: tl.constexpr, IEEE: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+                   BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DENSE: tl.constexpr, D: tl.constexpr):
     """Programs (sequence × KV head, split): splits 0…SPLITS-1 walk the codes, TILES_PER_SPLIT tiles of BLOCK_T
     tokens each (a channel-axis tile is BLOCK_T / G whole groups); the last one the ND dense tokens (sinks,
     residual, the new token). Each writes its softmax state (o, lse) for the rep query heads."""
@@ -142,15 +164,15 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
         if FP8 or KCHANNEL:
             kcol = d
         else:
-            kcol = _order(8 // KBITS, D // KG, KG * KBITS // 8, 1, KG, 8 // KBITS)
+            kcol = _order(32 // KBITS, D // KG, KG * KBITS // 32, 1, KG, 32 // KBITS)
         if FP8 or VCHANNEL:
             vcol = d
         else:
-            vcol = _order(8 // VBITS, D // VG, VG * VBITS // 8, 1, VG, 8 // VBITS)
+            vcol = _order(32 // VBITS, D // VG, VG * VBITS // 32, 1, VG, 32 // VBITS)
         if KCHANNEL:
-            order = _order(BLOCK_T // KG, 8 // KBITS, KG * KBITS // 8, KG, 1, 8 // KBITS)
+            order = _order(BLOCK_T // KG, 32 // KBITS, KG * KBITS // 32, KG, 1, 32 // KBITS)
         elif VCHANNEL:
-            order = _order(BLOCK_T // VG, 8 // VBITS, VG * VBITS // 8, VG, 1, 8 // VBITS)
+            order = _order(BLOCK_T // VG, 32 // VBITS, VG * VBITS // 32, VG, 1, 32 // VBITS)
         else:
             order = tl.arange(0, BLOCK_T)
         qf = tl.load(q_ptr + qrow[:, None] * D + kcol[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
@@ -192,8 +214,8 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
         tl.store(o_ptr + out[:, None] * D + vcol[None, :], acc * (out_scale / l[:, None]), mask=rmask[:, None])
     else:
         qd = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
-        for start in range(0, ND, BLOCK_T):
-            t = start + tl.arange(0, BLOCK_T)
+        for start in range(0, ND, BLOCK_DENSE):
+            t = start + tl.arange(0, BLOCK_DENSE)
             tmask = t < ND
             off = (bh * ND + t)[:, None] * D + d[None, :]
             k = tl.load(dk + off, mask=tmask[:, None], other=0.0)
@@ -218,13 +240,26 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S: tl.con
     tl.store(out_ptr + row * D + d, tl.sum(w[:, None] * o, axis=0))
 
 
+def _programs_per_sm(pointers: tuple, h: int, t: int, nd: int, rep: int, meta: dict) -> int:
+    """Programs per multiprocessor for this variant of the kernel: compiled (not run) once per variant on CUDA."""
+    q = pointers[0]
+    if not q.is_cuda:
+        return _PROGRAMS_PER_SM
+    key = (q.device, q.dtype, tuple(x.dtype for x in pointers), tuple(sorted(meta.items())))
+    if key not in _RESIDENT:
+        scratch = torch.empty(1, dtype=torch.float32, device=q.device)  # o and lse: only their dtype matters here
+        compiled = _decode_kernel.warmup(q, scratch, scratch, *pointers[1:], h, t, nd, rep, 2, 2, 1.0, grid=(1,), **meta)
+        _RESIDENT[key] = _resident(compiled, q.device)
+    return _RESIDENT[key]
+
+
 def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor, scaling: float,
            splits: int | None = None, block_t: int | None = None, num_warps: int = 4,
            num_stages: int | None = None) -> torch.Tensor:
     """Attention output (B, H_q, D) float32 of q over the layer's codes and the dense tokens `dense_k`/`dense_v`
     (B, H, n ≥ 1, D): two launches. The codes are walked in tiles of `block_t` tokens (a power of two ≥ 16; by
     default 8192 / D between 32 and 128; at least one channel-axis group) split in `splits` parts (by default
-    enough programs to keep every multiprocessor busy), with loads `num_stages` tiles ahead (3; 2 for float32
+    as many programs as fit on the device at once, see ``_resident``), with loads `num_stages` tiles ahead (3; 2 for float32
     queries, whose tiles take twice the shared memory). 4 warps and 3 stages were fastest or within a few
     percent for every format in a sweep on an H200 (4 or 8 warps, 1 to 3 stages, batch 8) of the previous
     version of this kernel, which read one key group per tile."""
@@ -249,20 +284,23 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
             layout |= {f"{tag}BITS": codec.bits, f"{tag}G": codec.group if channel else min(codec.group, d), f"{tag}CHANNEL": channel}
             if channel:  # whole groups per tile (supported() refuses two channel-axis codecs with other groups)
                 block_t = max(block_t, codec.group)
+    meta = dict(FP8=fmt == "fp8" and bool(t), **layout, IEEE=q.dtype == torch.float32,
+                BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_T=block_t, BLOCK_DENSE=_BLOCK_DENSE, D=d,
+                num_warps=num_warps, num_stages=num_stages)
+    pointers = (q.contiguous(), *(x.contiguous() for x in tensors), dense_k.contiguous(), dense_v.contiguous())
     tiles = triton.cdiv(t, block_t)
-    wanted = splits or max(1, _PROGRAMS_PER_SM * _multiprocessors(q.device) // (b * h))
-    per_split = triton.cdiv(tiles, min(tiles, wanted)) if tiles else 0
-    if not splits and tiles:
-        per_split = max(per_split, min(tiles, _MIN_TILES_PER_SPLIT))
-    n_splits = triton.cdiv(tiles, per_split) if tiles else 0  # every split starts inside the T tokens
+    per_split = n_splits = 0
+    if tiles:
+        wanted = splits or max(1, _programs_per_sm(pointers, h, t, dense_k.shape[2], rep, meta)
+                               * _multiprocessors(q.device) // (b * h) - 1)  # one wave, with the dense programs
+        per_split = triton.cdiv(tiles, min(tiles, wanted))
+        if not splits:
+            per_split = max(per_split, min(tiles, _MIN_TILES_PER_SPLIT))
+        n_splits = triton.cdiv(tiles, per_split)  # every split starts inside the T tokens
     o = torch.empty(b, hq, n_splits + 1, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, n_splits + 1, dtype=torch.float32, device=q.device)
-    _decode_kernel[(b * h, n_splits + 1)](
-        q.contiguous(), o, lse, *(x.contiguous() for x in tensors), dense_k.contiguous(), dense_v.contiguous(), h, t,
-        dense_k.shape[2], rep, n_splits, per_split, float(scaling), FP8=fmt == "fp8" and bool(t), **layout,
-        IEEE=q.dtype == torch.float32, BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_T=block_t, D=d,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, dense_k.shape[2], rep, n_splits,
+                                          per_split, float(scaling), **meta)
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     _combine_kernel[(b * hq,)](o, lse, out, n_splits + 1, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits + 1)))
     return out

@@ -141,20 +141,22 @@ def test_merge_of_segments_equals_attention_over_their_union():
 
 def test_layouts_the_tiles_do_not_fit_take_the_dequantizing_path():
     """16-token key groups (wrong in bf16 on an H200, see decode_attention.tileable), head dims that are not a
-    power of two, and channel-axis keys and values of other bits are left to the torch path, which still gives
-    the reference output."""
+    power of two, channel-axis keys and values of other bits, and token-axis groups short of a 32-bit word are
+    left to the torch path, which still gives the reference output."""
     layer, q, new_k, new_v = layer_and_query("kivi4-g16", 45)
     assert layer.quantized and da.supported(layer) is None
     want = da.decode_attention(q, layer, new_k, new_v, 0.125, fused=False)
     torch.testing.assert_close(da.decode_attention(q, layer, new_k, new_v, 0.125), want)
     odd = kvcache.layer_from_dense(torch.randn(1, HEADS, 60, 96), torch.randn(1, HEADS, 60, 96), spec_for("kivi4"))
     assert odd.quantized and da.supported(odd) is None
-    # keys and values both by channel but of other bits: their tiles would order tokens differently
-    mixed = kvcache.LayerSpec(kvcache.AffineCodec(4, 32, "channel"), kvcache.AffineCodec(2, 32, "channel"), group=32, residual=7)
-    layer = kvcache.layer_from_dense(*layer_and_query("kivi4", 45)[0].full(), mixed)
-    assert layer.quantized and da.supported(layer) is None
-    torch.testing.assert_close(da.decode_attention(q, layer, new_k, new_v, 0.125),
-                               dense_attention(q, *layer.full(new_k, new_v), 0.125), rtol=1e-5, atol=1e-5)
+    # keys and values both by channel but of other bits (their tiles would order tokens differently), and
+    # INT2 values in groups of 8 channels (16 bits, less than the kernel's 32-bit loads)
+    for value in (kvcache.AffineCodec(2, 32, "channel"), kvcache.AffineCodec(2, 8, "token")):
+        spec = kvcache.LayerSpec(kvcache.AffineCodec(4, 32, "channel"), value, group=32, residual=7)
+        layer = kvcache.layer_from_dense(*layer_and_query("kivi4", 45)[0].full(), spec)
+        assert layer.quantized and da.supported(layer) is None
+        torch.testing.assert_close(da.decode_attention(q, layer, new_k, new_v, 0.125),
+                                   dense_attention(q, *layer.full(new_k, new_v), 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_layers_the_kernel_cannot_read_are_refused_by_name():
