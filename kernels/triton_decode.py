@@ -253,25 +253,19 @@ def _programs_per_sm(pointers: tuple, h: int, t: int, nd: int, rep: int, meta: d
     return _RESIDENT[key]
 
 
-def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor, scaling: float,
-           splits: int | None = None, block_t: int | None = None, num_warps: int = 4,
-           num_stages: int | None = None) -> torch.Tensor:
-    """Attention output (B, H_q, D) float32 of q over the layer's codes and the dense tokens `dense_k`/`dense_v`
-    (B, H, n ≥ 1, D): two launches. The codes are walked in tiles of `block_t` tokens (a power of two ≥ 16; by
-    default 8192 / D between 32 and 128; at least one channel-axis group) split in `splits` parts (by default
-    as many programs as fit on the device at once, see ``_resident``), with loads `num_stages` tiles ahead (3; 2 for float32
-    queries, whose tiles take twice the shared memory). 4 warps and 3 stages were fastest or within a few
-    percent for every format in a sweep on an H200 (4 or 8 warps, 1 to 3 stages, batch 8) of the previous
-    version of this kernel, which read one key group per tile."""
+def arguments(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor,
+              block_t: int | None = None, num_warps: int = 4, num_stages: int | None = None):
+    """What the kernel is launched with for this layer and query, but the outputs and splits: the tensors it reads
+    (q, the six code tensors, the dense keys and values), the sizes (KV heads, quantized tokens, dense tokens,
+    query heads per KV head) and the compile-time parameters (``attend`` documents them)."""
     if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
         raise ValueError(f"block_t is the tokens of a tile: a power of two from 16, got {block_t}")
-    b, hq, d = q.shape
+    d = q.shape[-1]
     h, t = dense_k.shape[1], layer.quantized
-    rep = hq // h
+    rep = q.shape[1] // h
     key, value = layer.stored["key"], layer.stored["value"]
     layout = {"KBITS": 8, "KG": d, "KCHANNEL": False, "VBITS": 8, "VG": d, "VCHANNEL": False}
     block_t = block_t or min(128, max(32, 8192 // d))
-    num_stages = num_stages or (2 if q.dtype == torch.float32 else 3)
     if not t:  # nothing quantized yet: the dense program alone (the code pointers are never read)
         tensors = (dense_k,) * 6
     elif fmt == "fp8":
@@ -286,12 +280,28 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
                 block_t = max(block_t, codec.group)
     meta = dict(FP8=fmt == "fp8" and bool(t), **layout, IEEE=q.dtype == torch.float32,
                 BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_T=block_t, BLOCK_DENSE=_BLOCK_DENSE, D=d,
-                num_warps=num_warps, num_stages=num_stages)
+                num_warps=num_warps, num_stages=num_stages or (2 if q.dtype == torch.float32 else 3))
     pointers = (q.contiguous(), *(x.contiguous() for x in tensors), dense_k.contiguous(), dense_v.contiguous())
+    return pointers, (h, t, dense_k.shape[2], rep), meta
+
+
+def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor, scaling: float,
+           splits: int | None = None, block_t: int | None = None, num_warps: int = 4,
+           num_stages: int | None = None) -> torch.Tensor:
+    """Attention output (B, H_q, D) float32 of q over the layer's codes and the dense tokens `dense_k`/`dense_v`
+    (B, H, n ≥ 1, D): two launches. The codes are walked in tiles of `block_t` tokens (a power of two ≥ 16; by
+    default 8192 / D between 32 and 128; at least one channel-axis group) split in `splits` parts (by default
+    as many programs as fit on the device at once, see ``_resident``), with loads `num_stages` tiles ahead (3;
+    2 for float32 queries, whose tiles take twice the shared memory). 4 warps and 3 stages were fastest or
+    within a few percent for every format in a sweep on an H200 (4 or 8 warps, 1 to 3 stages, batch 8) of the
+    previous version of this kernel, which read one key group per tile."""
+    pointers, (h, t, nd, rep), meta = arguments(q, layer, fmt, dense_k, dense_v, block_t, num_warps, num_stages)
+    b, hq, d = q.shape
+    block_t = meta["BLOCK_T"]
     tiles = triton.cdiv(t, block_t)
     per_split = n_splits = 0
     if tiles:
-        wanted = splits or max(1, _programs_per_sm(pointers, h, t, dense_k.shape[2], rep, meta)
+        wanted = splits or max(1, _programs_per_sm(pointers, h, t, nd, rep, meta)
                                * _multiprocessors(q.device) // (b * h) - 1)  # one wave, with the dense programs
         per_split = triton.cdiv(tiles, min(tiles, wanted))
         if not splits:
@@ -299,8 +309,8 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
         n_splits = triton.cdiv(tiles, per_split)  # every split starts inside the T tokens
     o = torch.empty(b, hq, n_splits + 1, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, n_splits + 1, dtype=torch.float32, device=q.device)
-    _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, dense_k.shape[2], rep, n_splits,
-                                          per_split, float(scaling), **meta)
+    _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, nd, rep, n_splits, per_split,
+                                          float(scaling), **meta)
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     _combine_kernel[(b * hq,)](o, lse, out, n_splits + 1, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits + 1)))
     return out
