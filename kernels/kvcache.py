@@ -230,33 +230,45 @@ class QuantizedKVLayer(DynamicLayer):
 
     def append(self, key_states, value_states, cache_kwargs: dict | None = None) -> None:
         """Store new tokens (residual, then complete groups into codes) without building the dequantized view:
-        the fused decode path (``decode_attention``) attends to the codes where they lie."""
+        the fused decode path (``decode_attention``) attends to the codes where they lie. The tokens this call
+        quantizes must be finite (checked before anything is stored); tokens that stay in full precision are
+        held as given, as a dense cache holds them, and checked when their group is quantized."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for t, what in ((key_states, "keys"), (value_states, "values")):
-            quant.check_input(t, f"quantized cache layer {what}")
+            quant.check_float(t, f"quantized cache layer {what}")
+        if self.spec.rope and (not cache_kwargs or "cos" not in cache_kwargs):
+            raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")
+        keys = torch.cat([self.keys, key_states], dim=-2)
+        values = torch.cat([self.values, value_states], dim=-2)
+        sinks, n = self._plan(keys.shape[-2])
+        for t, what in ((keys, "keys"), (values, "values")):
+            if n:
+                quant.check_input(t[..., sinks : sinks + n, :], f"quantized cache layer {what}")
         if self.spec.rope:
-            if not cache_kwargs or "cos" not in cache_kwargs:
-                raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")
             cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
             self.cos = cos if self.cos is None else torch.cat([self.cos, cos], dim=1)
             self.sin = sin if self.sin is None else torch.cat([self.sin, sin], dim=1)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = keys, values
         self.cumulative_length += key_states.shape[-2]
         self._settle()
+
+    def _plan(self, unsettled: int) -> tuple[int, int]:
+        """Of `unsettled` leading full-precision tokens: how many move into the sinks, and how many after them
+        are quantized (every complete group beyond the residual)."""
+        held = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+        sinks = min(max(self.spec.sink_tokens - held, 0), unsettled)
+        return sinks, max(0, (unsettled - sinks - self.spec.residual) // self.spec.group * self.spec.group)
 
     def _settle(self) -> None:
         """Move leading tokens into the sinks, then quantize every complete group beyond the residual."""
         spec = self.spec
-        held = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
-        if held < spec.sink_tokens:
-            take = min(spec.sink_tokens - held, self.keys.shape[-2])
+        take, n = self._plan(self.keys.shape[-2])
+        if take:
             self.sink_keys = _cat(self.sink_keys, self.keys[..., :take, :])
             self.sink_values = _cat(self.sink_values, self.values[..., :take, :])
             self.keys, self.values = self.keys[..., take:, :], self.values[..., take:, :]
-        n = (self.keys.shape[-2] - spec.residual) // spec.group * spec.group
-        if n <= 0:
+        if not n:
             return
         cos = sin = None
         if spec.rope:

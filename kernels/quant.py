@@ -30,10 +30,15 @@ PACKABLE_BITS = (2, 4, 8)
 # --------------------------------------------------------------------------- #
 
 
-def check_input(x: torch.Tensor, what: str) -> None:
-    """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata)."""
+def check_float(x: torch.Tensor, what: str) -> None:
     if not torch.is_floating_point(x):
         raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+
+
+def check_input(x: torch.Tensor, what: str) -> None:
+    """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata). On a GPU
+    this waits for the tensor: callers check what they are about to quantize, not every token they see."""
+    check_float(x, what)
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")

@@ -184,8 +184,8 @@ QUANT_SPECS = {
 def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, monkeypatch, name):
     """The engine's decode steps over quantized rows run the Triton kernel on the codes (forced here on the CPU,
     where it is interpreted) and give the dequantizing path's logits, step after step, while groups flush into
-    codes; a batch of two quantized rows too."""
-    from kvlab.engine import Batch, compress, prefill
+    codes; a batch of two quantized rows too. Those steps build no attention mask."""
+    from kvlab.engine import Batch, Rows, compress, prefill
     from kvlab.methods import Variant
 
     model, tokenizer = tiny
@@ -201,6 +201,14 @@ def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, mo
         return real(*args, **kwargs)
 
     monkeypatch.setattr(da, "decode_attention", counted)
+    masks = {False: 0, True: 0}  # per-row masks built, by path: the kernel covers each row exactly, needs none
+    real_mask = Rows.mask
+
+    def counted_mask(self, *args, **kwargs):
+        masks[da.FUSED] += 1
+        return real_mask(self, *args, **kwargs)
+
+    monkeypatch.setattr(Rows, "mask", counted_mask)
     logits = {}
     for fused in (False, True):
         monkeypatch.setattr(da, "FUSED", fused)
@@ -212,4 +220,5 @@ def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, mo
             x = out.argmax(-1, keepdim=True)
         logits[fused] = torch.stack(steps)
     assert calls and all(calls) and len(calls) == 20 * 2 * model.config.num_hidden_layers  # every step, row, layer
+    assert masks == {False: 20 * model.config.num_hidden_layers, True: 0}
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

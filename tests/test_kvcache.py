@@ -191,6 +191,22 @@ def test_bad_values_are_refused_before_storing():
     assert layer.quantized == 0 and layer.get_seq_length() == 0
 
 
+def test_a_bad_token_is_refused_when_its_group_is_quantized():
+    """Full-precision tokens are held as given (as a dense cache holds them); the check runs on what a call
+    quantizes, so decoding does not wait for the GPU at every token, and nothing of that call is stored."""
+    spec = SPECS["kivi4"]()
+    layer = kvcache.QuantizedKVLayer(spec)
+    keys, values = random_kv(spec.residual + spec.group)
+    keys[0, 0, 0, 3] = float("inf")  # in the first group: held until R + G tokens are
+    layer.update(keys[..., : spec.residual, :], values[..., : spec.residual, :])
+    for t in range(spec.residual, spec.residual + spec.group - 1):
+        layer.append(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+    assert layer.quantized == 0 and not bool(torch.isfinite(layer.keys).all())
+    with pytest.raises(ValueError, match="quantized cache layer keys: 1 NaN/Inf"):
+        layer.append(keys[..., -1:, :], values[..., -1:, :])
+    assert layer.quantized == 0 and layer.get_seq_length() == spec.residual + spec.group - 1
+
+
 @pytest.fixture(scope="module")
 def sample(tiny):
     from kvlab.tasks import GENERATORS

@@ -317,13 +317,14 @@ class Rows(DynamicLayer):
             allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
-    def fused(self, key_states) -> bool:
-        """A one-token step over rows that are all quantized in a format the decode kernel reads."""
-        return key_states.shape[-2] == 1 and decode_attention.fused_rows(self.rows, key_states.device)
+    def fused(self, n: int, device) -> bool:
+        """Whether feeding `n` tokens is a one-token step over rows that are all quantized in a format the
+        decode kernel reads: attention then reads each row's codes (see sdpa_gqa) and needs no mask."""
+        return n == 1 and decode_attention.fused_rows(self.rows, device)
 
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
-        if self.fused(key_states):  # store the token; attention reads each row's codes (see sdpa_gqa)
+        if self.fused(n, key_states.device):  # store the token; attention reads each row's codes (see sdpa_gqa)
             steps = []
             for i, row in enumerate(self.rows):
                 k, v = key_states[i : i + 1], value_states[i : i + 1]
@@ -421,8 +422,9 @@ class Batch:
         """Feed `ids` (B, n) at original positions start…; return the last `logits_to_keep` logits."""
         model, n = self.model, ids.shape[1]
         pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
+        heads = model.config.get_text_config().num_attention_heads
         masks = {
-            idx: layer.mask(n, model.dtype, ids.device, model.config.get_text_config().num_attention_heads)
+            idx: (None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads))
             if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
         }
