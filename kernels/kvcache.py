@@ -295,6 +295,34 @@ class QuantizedKVLayer(DynamicLayer):
         return {"sink_tokens": sinks, "quantized_tokens": self.quantized, "residual_tokens": self.keys.shape[-2]}
 
 
+def stack_layers(layers: list) -> QuantizedKVLayer | None:
+    """One layer holding the sequences of several (batch rows in order) when they are copies of one storage:
+    quantized layers of one spec object (so one FP8 scale) holding the same counts; None otherwise. The tensors
+    are new; the layers given are not touched."""
+    first = layers[0]
+    same = all(isinstance(x, QuantizedKVLayer) and x.is_initialized and x.spec is first.spec and x.counts() == first.counts()
+               and x.cumulative_length == first.cumulative_length for x in layers)
+    if len(layers) < 2 or not same or first.spec.rope:
+        return None
+    out = first.fork()
+    for name in ("sink_keys", "sink_values", "keys", "values"):
+        if getattr(first, name) is not None:
+            setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
+    out.stored = {part: {k: torch.cat([x.stored[part][k] for x in layers]) for k in first.stored[part]} for part in first.stored}
+    return out
+
+
+def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
+    """A layer holding only the given batch rows of `layer` (which is not touched)."""
+    index = torch.tensor(rows, device=layer.keys.device)
+    out = layer.fork()
+    for name in ("sink_keys", "sink_values", "keys", "values"):
+        if getattr(layer, name) is not None:
+            setattr(out, name, getattr(layer, name).index_select(0, index))
+    out.stored = {part: {k: t.index_select(0, index) for k, t in d.items()} for part, d in layer.stored.items()}
+    return out
+
+
 def layer_from_dense(keys: torch.Tensor, values: torch.Tensor, spec: LayerSpec, cos=None, sin=None) -> QuantizedKVLayer:
     """A quantized layer holding a prefilled (possibly evicted) cache, split into sinks / codes / residual."""
     layer = QuantizedKVLayer(spec)

@@ -10,6 +10,7 @@ rule throughput:
         rows="results/speed/throughput/{model}/{ctx}.parquet",
     params:
         new_tokens=config["throughput"]["new_tokens"],
+        batches=config["throughput"]["batches"],
         run=lambda w: run_params(),
     log:
         "logs/throughput/{model}/{ctx}.log",

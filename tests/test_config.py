@@ -31,7 +31,7 @@ def test_default_config_is_valid_and_defaults_filled(config):
         "kind": "niah", "haystack": "prose", "context_tokens": [1024], "depths": [0.5], "samples": 2, "seed": 0,
         "keys": 1, "values": 1, "queries": 1, "question_position": "after",
     }
-    assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32}
+    assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32, "batches": [1]}
 
 
 def test_at_least_one_model_is_evaluated(config):

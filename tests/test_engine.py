@@ -311,6 +311,39 @@ def test_masked_rows_batched_with_quantized_rows_decode_as_alone(tiny, sample):
     assert not torch.allclose(alone, dense, atol=1e-3)
 
 
+def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sample, monkeypatch):
+    """A batch of one quantized cache (the throughput benchmark's) is one stacked layer per layer: a step
+    updates it once and the decode kernel attends to all rows in one call. Every row decodes as the cache
+    alone, on the dequantizing path and through the kernel (interpreted here), also after rows are dropped."""
+    from kvlab.engine import Rows, greedy_decode
+    from kvlab.kernels import decode_attention
+
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context)
+    kivi = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}
+    cache = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))
+    other = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))  # same content, another storage
+    layer = next(x for x in Batch(model, [cache, cache, cache]).cache.layers if isinstance(x, Rows))
+    assert layer.sizes == [3] and layer.rows[0].keys.shape[0] == 3
+    assert [len(x.rows) for x in Batch(model, [cache, other]).cache.layers if isinstance(x, Rows)][0] == 2
+    tail = p.question + p.suffix
+    for fused in (False, True):
+        monkeypatch.setattr(decode_attention, "FUSED", fused)
+        (alone,) = greedy_decode(model, [cache], tail, base.length, 12, stop=False)
+        assert greedy_decode(model, [cache] * 3, tail, base.length, 12, stop=False) == [alone] * 3
+        batch = Batch(model, [cache] * 3)
+        x = torch.tensor([tail] * 3)
+        for step in range(4):
+            nxt = batch.forward(x, base.length + (0 if step == 0 else len(tail) + step - 1))[:, -1].argmax(-1)
+            assert nxt.tolist() == [alone[step]] * len(nxt)
+            if step == 1:
+                batch.keep([0, 2])
+                nxt = nxt[[0, 2]]
+                assert [x.sizes for x in batch.cache.layers if isinstance(x, Rows)][0] == [2]
+            x = nxt[:, None]
+
+
 def test_masking_press_refuses_quantization(tiny, sample):
     model, _ = tiny
     spec = {"press": "SnapKVPress", "kwargs": {"window_size": 16}, "wrapper": "AdaKVPress", "scheme": "int8", "bits": 8,

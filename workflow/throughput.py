@@ -1,4 +1,4 @@
-"""Rule throughput: decode tokens/s at batch 1 per method → results/speed/throughput/{model}/{ctx}.parquet."""
+"""Rule throughput: decode tokens/s per method and batch size → results/speed/throughput/{model}/{ctx}.parquet."""
 
 from kvlab.io import log_to, run_settings
 
@@ -10,6 +10,7 @@ throughput(
     model_dir=snakemake.input.model_dir,  # noqa: F821
     context_tokens=int(snakemake.wildcards.ctx),  # noqa: F821
     new_tokens=snakemake.params.new_tokens,  # noqa: F821
+    batches=tuple(snakemake.params.batches),  # noqa: F821
     run=run_settings(snakemake),  # noqa: F821
     out_path=snakemake.output.rows,  # noqa: F821
 )

@@ -5,8 +5,8 @@
   pipeline, one call per variant and mode (each call prefills, compresses and decodes alone). In the
   question-agnostic mode both decode greedily from identical token ids, so their answers must agree; in the
   aware mode the pipeline tokenizes context and question as one string, so a boundary token may differ.
-* ``throughput``: per variant, decode speed at batch 1 from a prefilled prose context, and the KV bytes
-  held after compression and at the end of decoding.
+* ``throughput``: per variant and batch size, decode speed from a prefilled prose context, and the KV bytes
+  one sequence holds after compression.
 """
 
 from __future__ import annotations
@@ -94,9 +94,11 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     return frame
 
 
-def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_path) -> pd.DataFrame:
-    """Decode `new_tokens` at batch 1 after each variant's compressed cache (EOS ignored, so every variant
-    decodes the same number of steps); one row per variant."""
+def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_path, batches: tuple[int, ...] = (1,)) -> pd.DataFrame:
+    """Decode `new_tokens` after each variant's compressed cache (EOS ignored, so every variant decodes the
+    same number of steps), at each batch size: the batch is that many copies of the one compressed cache,
+    decoded in lockstep (quantized copies are stacked into one layer, see ``engine.Rows``). One row per
+    variant and batch; tokens/s counts every row's tokens."""
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
@@ -109,20 +111,22 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
     for v in variants(run["methods"], run["budgets"]):
         cache = compress(model, base, v)
         held = cache_stats(cache, v, base.length)
-        greedy_decode(model, [cache], sample.prompt.suffix, base.length, 2, stop=False)  # warm-up (cache left as is)
-        t0 = time.perf_counter()
-        (ids,) = greedy_decode(model, [cache], sample.prompt.suffix, base.length, new_tokens, stop=False)
-        seconds = time.perf_counter() - t0
-        rows.append(
-            {
-                "model": card["name"], "context_tokens": context_tokens, "method": v.method, "budget": v.budget,
-                "new_tokens": len(ids), "decode_s": seconds, "tokens_per_s": len(ids) / seconds,
-                "prefill_s": prefill_s, "kv_bytes": held["kv_bytes"], "kv_tokens_mean": held["kv_tokens_mean"],
-                "decode_path": decode_path(cache, model.device),
-                "dtype": run["dtype"], "device": device_name(run["device"]),
-            }
-        )
-        log.info("%s: %.2f tokens/s, %d KV bytes", v.label, rows[-1]["tokens_per_s"], held["kv_bytes"])
+        for batch in batches:
+            greedy_decode(model, [cache] * batch, sample.prompt.suffix, base.length, 2, stop=False)  # warm-up (cache left as is)
+            t0 = time.perf_counter()
+            out = greedy_decode(model, [cache] * batch, sample.prompt.suffix, base.length, new_tokens, stop=False)
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(ids) for ids in out)
+            rows.append(
+                {
+                    "model": card["name"], "context_tokens": context_tokens, "method": v.method, "budget": v.budget,
+                    "batch": batch, "new_tokens": len(out[0]), "decode_s": seconds, "tokens_per_s": tokens / seconds,
+                    "prefill_s": prefill_s, "kv_bytes": held["kv_bytes"], "kv_tokens_mean": held["kv_tokens_mean"],
+                    "decode_path": decode_path(cache, model.device),
+                    "dtype": run["dtype"], "device": device_name(run["device"]),
+                }
+            )
+            log.info("%s at batch %d: %.2f tokens/s, %d KV bytes per sequence", v.label, batch, rows[-1]["tokens_per_s"], held["kv_bytes"])
     frame = pd.DataFrame(rows)
     write_parquet(frame, out_path)
     return frame

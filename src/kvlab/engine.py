@@ -50,8 +50,10 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     fused = getattr(key, "fused", None)
     if fused is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        rows = [decode_attention.decode_attention(query[i : i + 1, :, 0], layer, k, v, scale, fused=True)
-                for i, (layer, k, v) in enumerate(fused)]
+        rows, start = [], 0
+        for layer, k, v in fused:  # a layer per row, or one for rows stacked by Rows
+            rows.append(decode_attention.decode_attention(query[start : start + k.shape[0], :, 0], layer, k, v, scale, fused=True))
+            start += k.shape[0]
         return torch.cat(rows).to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
@@ -261,14 +263,14 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     }
 
 
-def masked_entries(layers: list, width: int) -> torch.Tensor | None:
+def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> torch.Tensor | None:
     """(B, H_kv, width): the entries each row's press masked per KV head (AdaKV), left-aligned, False beyond
-    what a row holds; None when no row masks anything."""
-    masks = [getattr(r, "masked", None) for r in layers]
+    what a row holds; None when no row masks anything. `sizes`: the sequences each layer holds (default 1)."""
+    masks = [m for layer, n in zip(layers, sizes or [1] * len(layers)) for m in [getattr(layer, "masked", None)] * n]
     if all(m is None for m in masks):
         return None
     ref = next(m for m in masks if m is not None)
-    out = torch.zeros(len(layers), ref.shape[1], width, dtype=torch.bool, device=ref.device)
+    out = torch.zeros(len(masks), ref.shape[1], width, dtype=torch.bool, device=ref.device)
     for i, m in enumerate(masks):
         if m is not None:
             out[i, :, : m.shape[-1]] = m[0]
@@ -293,17 +295,28 @@ class Rows(DynamicLayer):
     """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
     concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
     slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the
-    padding and keeps the new tokens causal. Rows are forked first; the original caches are never touched."""
+    padding and keeps the new tokens causal. Rows are forked first; the original caches are never touched.
+    Rows that are copies of one quantized layer (same storage, same counts: a batch of one cache, as the
+    throughput benchmark decodes) are stacked into one layer of that many rows, updated and attended to at once."""
 
     def __init__(self, rows: list):
         super().__init__()
-        self.rows = [kvcache.fork_layer(r) for r in rows]
+        stacked = kvcache.stack_layers(rows)
+        self.rows = [stacked] if stacked is not None else [kvcache.fork_layer(r) for r in rows]
+        self.sizes = [len(rows)] if stacked is not None else [1] * len(rows)  # batch rows each layer holds
         self.is_initialized = True
         self.wants_query = any(getattr(r, "wants_query", False) for r in rows)
         self.pending_query: torch.Tensor | None = None  # (B, Hq, n, D), handed to the rows that score attention
 
+    def slices(self):
+        """(layer, its batch rows as a slice) for every layer."""
+        start = 0
+        for row, n in zip(self.rows, self.sizes):
+            yield row, slice(start, start + n)
+            start += n
+
     def held(self) -> list[int]:
-        return [r.get_seq_length() for r in self.rows]
+        return [r.get_seq_length() for r, n in zip(self.rows, self.sizes) for _ in range(n)]
 
     def mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
         """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1.
@@ -312,7 +325,7 @@ class Rows(DynamicLayer):
         held = torch.tensor(self.held(), device=device)
         j = torch.arange(int(held.max()) + n, device=device)
         allowed = (j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None])[:, None]
-        hidden = masked_entries(self.rows, j.numel())
+        hidden = masked_entries(self.rows, j.numel(), self.sizes)
         if hidden is not None:
             allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -326,8 +339,8 @@ class Rows(DynamicLayer):
         b, h, n, d = key_states.shape
         if self.fused(n, key_states.device):  # store the token; attention reads each row's codes (see sdpa_gqa)
             steps = []
-            for i, row in enumerate(self.rows):
-                k, v = key_states[i : i + 1], value_states[i : i + 1]
+            for row, rows in self.slices():
+                k, v = key_states[rows], value_states[rows]
                 steps.append((kvcache.fork_layer(row), k, v))  # the row as the new token's query sees it
                 row.append(k, v)
             key_states = key_states.view_as(key_states)
@@ -335,12 +348,12 @@ class Rows(DynamicLayer):
             return key_states, value_states
         keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
         values = torch.zeros_like(keys)
-        for i, row in enumerate(self.rows):
-            kw = cache_kwargs and {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+        for row, rows in self.slices():
+            kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
             if getattr(row, "wants_query", False):
-                row.pending_query = self.pending_query[i : i + 1]
-            k, v = row.update(key_states[i : i + 1], value_states[i : i + 1], kw)
-            keys[i, :, : k.shape[-2]], values[i, :, : v.shape[-2]] = k[0], v[0]
+                row.pending_query = self.pending_query[rows]
+            k, v = row.update(key_states[rows], value_states[rows], kw)
+            keys[rows, :, : k.shape[-2]], values[rows, :, : v.shape[-2]] = k, v
         self.pending_query = None
         return keys, values
 
@@ -348,7 +361,14 @@ class Rows(DynamicLayer):
         return max(self.held())
 
     def keep(self, rows: list[int]) -> None:
-        self.rows = [self.rows[i] for i in rows]
+        """Keep these batch rows (ascending), dropping the others."""
+        kept, sizes = [], []
+        for layer, span in self.slices():
+            local = [r - span.start for r in rows if span.start <= r < span.stop]
+            if local:
+                kept.append(layer if len(local) == span.stop - span.start else kvcache.select_rows(layer, local))
+                sizes.append(len(local))
+        self.rows, self.sizes = kept, sizes
 
 
 class Batch:

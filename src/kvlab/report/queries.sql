@@ -139,10 +139,11 @@ GROUP BY ALL
 ORDER BY model, scheme, bits DESC, method, budget DESC;
 
 -- name: throughput
--- Decode speed at batch 1 after each method's compression, and the KV bytes it holds.
-SELECT model, context_tokens, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
+-- Decode speed after each method's compression, per batch size (tokens/s over all sequences), and the KV
+-- bytes one sequence holds.
+SELECT model, context_tokens, batch, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
        kv_bytes, kv_tokens_mean AS kv_tokens, decode_path, device
-FROM throughput ORDER BY model, context_tokens, method, budget DESC;
+FROM throughput ORDER BY model, context_tokens, batch, method, budget DESC;
 
 -- name: decode_kernels
 -- Decode attention, one call per layer and step (CUDA only): time and bandwidth per storage format and path,
