@@ -90,9 +90,12 @@ class FP8Codec:
     dynamic: torch.Tensor | None = field(default=None, repr=False)  # () float32, set on first encode
 
     def head_scales(self, heads: int, device) -> torch.Tensor:
-        """One float32 scale per KV head (H,): the static ones, or the dynamic per-tensor scale repeated."""
+        """One float32 scale per KV head (H,): the static ones, or the dynamic per-tensor scale repeated. Static
+        scales move to the device once (not a host-to-device copy at every step, which a CUDA graph forbids)."""
         if self.scales is not None:
-            return self.scales.to(device, torch.float32)
+            if self.scales.device != torch.device(device) or self.scales.dtype != torch.float32:
+                self.scales = self.scales.to(device, torch.float32)
+            return self.scales
         return self.dynamic.to(device, torch.float32).expand(heads)
 
     def _row_scales(self, x: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,11 @@ def check_float(x: torch.Tensor, what: str) -> None:
 
 def check_input(x: torch.Tensor, what: str) -> None:
     """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata). On a GPU
-    this waits for the tensor: callers check what they are about to quantize, not every token they see."""
+    this waits for the tensor: callers check what they are about to quantize, not every token they see. While
+    a CUDA graph is being captured nothing can wait for data: only the dtype is checked then."""
     check_float(x, what)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
         raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")

@@ -14,8 +14,8 @@ in the values' (``_order``):
     scale and zero point per channel apply to its columns;
   - token-axis codes (KIVI values, per-token INT8): each token's D·bits/32 words, unpacked to (tokens, D),
     each run of g channels scaled by its own scale and zero point;
-  - FP8 E4M3: each token's D bytes, converted by the hardware (E4M3 values are exact in fp16 and fp32); the
-    per-head scales multiply the scores and the output, not every element.
+  - FP8 E4M3: each token's D/4 words, their bytes converted by the hardware (E4M3 values are exact in fp16 and
+    fp32); the per-head scales multiply the scores and the output, not every element.
 One more program per (sequence, KV head) attends to the full-precision tokens (sinks, residual, the new one);
 every program writes its (o, lse), and a second small kernel merges them: two launches per layer and step.
 
@@ -113,6 +113,16 @@ def _token_tile(c, s, z, tok, tmask, BITS: tl.constexpr, G: tl.constexpr, D: tl.
 
 
 @triton.jit
+def _fp8_tile(c, tok, tmask, D: tl.constexpr, BLOCK_T: tl.constexpr, DT: tl.constexpr):
+    """(BLOCK_T, D) in DT: E4M3 codes of tokens ``tok`` read as 32-bit words, column (shift k, word j) is channel
+    4·j + k."""
+    w = tl.load(c.to(tl.pointer_type(tl.int32)) + tok[:, None, None] * (D // 4) + tl.arange(0, D // 4)[None, None, :],
+                mask=tmask[:, None, None], other=0)
+    code = ((w >> (tl.arange(0, 4) * 8)[None, :, None]) & 255).to(tl.uint8)  # (BLOCK_T, 4, D/4)
+    return tl.reshape(code.to(tl.float8e4nv, bitcast=True).to(DT), (BLOCK_T, D))
+
+
+@triton.jit
 def _order(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, SA: tl.constexpr, SB: tl.constexpr, SC: tl.constexpr):
     """(A·B·C,) int32: a·SA + b·SB + c·SC over (a, b, c) in row-major order: where a tile's columns come from."""
     a = tl.arange(0, A)[:, None, None] * SA
@@ -161,11 +171,11 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
         DT: tl.constexpr = tl.float32 if IEEE else tl.float16
         # Where the tile's key columns (the score product's inner axis) and value columns come from, and which
         # tokens its rows are: see _channel_tile and _token_tile.
-        if FP8 or KCHANNEL:
+        if KCHANNEL:
             kcol = d
         else:
             kcol = _order(32 // KBITS, D // KG, KG * KBITS // 32, 1, KG, 32 // KBITS)
-        if FP8 or VCHANNEL:
+        if VCHANNEL:
             vcol = d
         else:
             vcol = _order(32 // VBITS, D // VG, VG * VBITS // 32, 1, VG, 32 // VBITS)
@@ -194,8 +204,8 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
             tmask = t < T
             tok = bh * T + t
             if FP8:
-                kt = tl.trans(tl.load(kc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(DT))
-                v = tl.load(vc + tok[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0).to(DT)
+                kt = tl.trans(_fp8_tile(kc, tok, tmask, D, BLOCK_T, DT))
+                v = _fp8_tile(vc, tok, tmask, D, BLOCK_T, DT)
             else:
                 if KCHANNEL:
                     grp = tile * (BLOCK_T // KG) + tl.arange(0, BLOCK_T // KG)

@@ -344,6 +344,26 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
             x = nxt[:, None]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ["full", "kivi4"])
+def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny, sample, name):
+    """benchmark.graph_step captures the fourth decode step of a batch (quantized rows through the kernel) and
+    times its replays; what the replays compute is the token eager decoding gives at that step."""
+    import copy
+
+    from kvlab.benchmark import graph_step
+    from kvlab.engine import greedy_decode
+
+    model = copy.deepcopy(tiny[0]).to("cuda")
+    p = sample.prompt
+    base = prefill(model, p.context)
+    kivi = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}
+    cache = compress(model, base, Variant(name, *(("full", 1.0, {}) if name == "full" else ("quant", 1.0, kivi))))
+    seconds, tokens = graph_step(model, [cache] * 2, p.question + p.suffix, base.length, 3)
+    eager = greedy_decode(model, [cache] * 2, p.question + p.suffix, base.length, 4, stop=False)
+    assert seconds > 0 and tokens == [row[3] for row in eager]
+
+
 def test_masking_press_refuses_quantization(tiny, sample):
     model, _ = tiny
     spec = {"press": "SnapKVPress", "kwargs": {"window_size": 16}, "wrapper": "AdaKVPress", "scheme": "int8", "bits": 8,

@@ -17,7 +17,7 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.engine import cache_stats, compress, decode_path, evaluate_sample, greedy_decode, prefill
+from kvlab.engine import Batch, cache_stats, compress, decode_path, evaluate_sample, greedy_decode, prefill
 from kvlab.evaluate import load_model
 from kvlab.hardware import device_name
 from kvlab.io import write_parquet
@@ -26,6 +26,8 @@ from kvlab.models.card import read_card
 from kvlab.tasks import GENERATORS
 
 log = logging.getLogger(__name__)
+
+GRAPH_REPLAYS = 20  # replays of the captured decode step timed per (variant, batch)
 
 
 def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: int, samples: int, run: dict, out_path) -> pd.DataFrame:
@@ -94,11 +96,42 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     return frame
 
 
+def graph_step(model, caches: list, tail: list[int], start: int, replays: int) -> tuple[float, list[int]]:
+    """Seconds per decode step without the host: after feeding `tail` and two warm-up steps (they compile the
+    kernels), one step is captured in a CUDA graph and replayed `replays` times. A replay repeats the same
+    step — same position, same cache, the new token rewritten where it went — so it times decoding at this
+    context with every launch and Python call taken out, as graph-replaying servers decode. Also returns the
+    step's tokens (argmax per row, the fourth new token) as the replays computed them."""
+    batch = Batch(model, caches)
+    x = torch.tensor([tail] * batch.size, device=model.device)
+    side = torch.cuda.Stream(model.device)
+    side.wait_stream(torch.cuda.current_stream(model.device))
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch.cuda.graph asks
+        x = batch.forward(x, start)[:, -1].argmax(-1, keepdim=True)
+        pos = start + len(tail)
+        for _ in range(2):
+            x = batch.forward(x, pos)[:, -1].argmax(-1, keepdim=True)
+            pos += 1
+    torch.cuda.current_stream(model.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = batch.forward(x, pos)[:, -1].argmax(-1)
+    graph.replay()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize(model.device)
+    return begin.elapsed_time(end) / 1e3 / replays, out.tolist()
+
+
 def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_path, batches: tuple[int, ...] = (1,)) -> pd.DataFrame:
     """Decode `new_tokens` after each variant's compressed cache (EOS ignored, so every variant decodes the
     same number of steps), at each batch size: the batch is that many copies of the one compressed cache,
     decoded in lockstep (quantized copies are stacked into one layer, see ``engine.Rows``). One row per
-    variant and batch; tokens/s counts every row's tokens."""
+    variant and batch; tokens/s counts every row's tokens. On CUDA also the step time with the host taken
+    out (``graph_step``: one step replayed from a CUDA graph); NaN elsewhere."""
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
@@ -117,10 +150,14 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
             out = greedy_decode(model, [cache] * batch, sample.prompt.suffix, base.length, new_tokens, stop=False)
             seconds = time.perf_counter() - t0
             tokens = sum(len(ids) for ids in out)
+            graph_s = float("nan")
+            if model.device.type == "cuda":
+                graph_s, _ = graph_step(model, [cache] * batch, sample.prompt.suffix, base.length, GRAPH_REPLAYS)
             rows.append(
                 {
                     "model": card["name"], "context_tokens": context_tokens, "method": v.method, "budget": v.budget,
                     "batch": batch, "new_tokens": len(out[0]), "decode_s": seconds, "tokens_per_s": tokens / seconds,
+                    "graph_step_ms": graph_s * 1e3, "graph_tokens_per_s": batch / graph_s,
                     "prefill_s": prefill_s, "kv_bytes": held["kv_bytes"], "kv_tokens_mean": held["kv_tokens_mean"],
                     "decode_path": decode_path(cache, model.device),
                     "dtype": run["dtype"], "device": device_name(run["device"]),

@@ -139,10 +139,10 @@ GROUP BY ALL
 ORDER BY model, scheme, bits DESC, method, budget DESC;
 
 -- name: throughput
--- Decode speed after each method's compression, per batch size (tokens/s over all sequences), and the KV
--- bytes one sequence holds.
-SELECT model, context_tokens, batch, method, budget, new_tokens, tokens_per_s, decode_s, prefill_s,
-       kv_bytes, kv_tokens_mean AS kv_tokens, decode_path, device
+-- Decode speed after each method's compression, per batch size (tokens/s over all sequences; on CUDA also
+-- with one step replayed from a CUDA graph, no host work), and the KV bytes one sequence holds.
+SELECT model, context_tokens, batch, method, budget, new_tokens, tokens_per_s, graph_tokens_per_s, decode_s,
+       prefill_s, kv_bytes, kv_tokens_mean AS kv_tokens, decode_path, device
 FROM throughput ORDER BY model, context_tokens, batch, method, budget DESC;
 
 -- name: decode_kernels
