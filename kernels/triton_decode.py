@@ -59,10 +59,11 @@ def _resident(compiled, device: torch.device) -> int:
     compiled._init_handles()  # loads the binary, which sets n_regs
     warps = compiled.metadata.num_warps
     per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    # (defaults: an H100's, for a torch whose device properties lack the field)
     fits = [getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps),
-            props.max_threads_per_multi_processor // (32 * warps), 32]
+            getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps), 32]
     if compiled.metadata.shared:
-        fits.append(props.shared_memory_per_multiprocessor // (compiled.metadata.shared + 1024))
+        fits.append(getattr(props, "shared_memory_per_multiprocessor", 233472) // (compiled.metadata.shared + 1024))
     return max(1, min(fits))
 
 

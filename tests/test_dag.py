@@ -67,9 +67,9 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     assert con.execute("SELECT min(compression_vs_bf16) > 1 FROM eval WHERE scheme IS NOT NULL").fetchone() == (True,)
     assert con.execute("SELECT max(abs(kl_vs_full)) FROM eval WHERE method_kind = 'full'").fetchone()[0] < 1e-6
     assert con.execute("SELECT min(kl_vs_full) FROM eval WHERE method_kind <> 'full'").fetchone()[0] > 0
-    speed = con.execute("SELECT count(*), min(tokens_per_s), list(DISTINCT batch ORDER BY batch), bool_and(isnan(graph_tokens_per_s)) "
+    speed = con.execute("SELECT count(*), min(tokens_per_s), list(DISTINCT batch ORDER BY batch), count(graph_tokens_per_s) "
                         "FROM throughput").fetchone()
-    assert speed == (n_variants * 2, speed[1], [1, 2], True) and speed[1] > 0  # batches of 1 and 2; no CUDA graph on a CPU
+    assert speed == (n_variants * 2, speed[1], [1, 2], 0) and speed[1] > 0  # batches of 1 and 2; no CUDA graph on a CPU
     bench = con.execute(
         "SELECT variants, question_modes, agreement_agnostic, engine_s > 0 AND engine_agnostic_s > 0, pipeline_s > pipeline_agnostic_s "
         "FROM engine_vs_pipeline"
