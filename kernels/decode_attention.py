@@ -69,6 +69,16 @@ def head_dim_fits(d: int) -> bool:
     return _pow2(d) and 16 <= d <= 256
 
 
+def fp8_readable(capability: tuple[int, int] | None) -> bool:
+    """Whether the kernel can read E4M3 codes on a GPU of this compute capability (None: no GPU, Triton's CPU
+    interpreter, which can): Triton converts E4M3 in hardware from sm_89 (Ada, Hopper) on."""
+    return capability is None or tuple(capability) >= (8, 9)
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
 def tileable(codec, spec, head_dim: int) -> bool:
     """Whether the kernel's tiles fit an affine codec's layout: a tile holds whole channel-axis groups, so a
     power of two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a
@@ -83,7 +93,7 @@ def tileable(codec, spec, head_dim: int) -> bool:
 
 def supported(layer) -> str | None:
     """The fused format of a cache layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None where
-    the kernel has none: not a ``QuantizedKVLayer``; a head dim that is not a power of two from 16 to 256;
+    the kernel has none: not a ``QuantizedKVLayer``; FP8 on a GPU older than sm_89 (``fp8_readable``); a head dim that is not a power of two from 16 to 256;
     KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs; affine groups its tiles
     do not fit (see ``tileable``), or keys and values both on the channel axis with different groups or bits."""
     from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
@@ -95,7 +105,7 @@ def supported(layer) -> str | None:
         return None
     key, value = layer.spec.key, layer.spec.value
     if isinstance(key, FP8Codec) and isinstance(value, FP8Codec):
-        return "fp8"
+        return "fp8" if fp8_readable(_capability(layer.keys.device)) else None
     if not (isinstance(key, AffineCodec) and isinstance(value, AffineCodec)) or layer.spec.rope:
         return None
     if not (tileable(key, layer.spec, d) and tileable(value, layer.spec, d)):

@@ -159,6 +159,12 @@ def test_layouts_the_tiles_do_not_fit_take_the_dequantizing_path():
                                    dense_attention(q, *layer.full(new_k, new_v), 0.125), rtol=1e-5, atol=1e-5)
 
 
+def test_fp8_codes_are_read_from_sm89_on():
+    """Triton has E4M3 conversions from Ada/Hopper on; on an A100 (sm_80) FP8 caches take the dequantizing path."""
+    assert da.fp8_readable(None) and da.fp8_readable((8, 9)) and da.fp8_readable((9, 0))
+    assert not da.fp8_readable((8, 0)) and not da.fp8_readable((8, 6))
+
+
 def test_layers_the_kernel_cannot_read_are_refused_by_name():
     levels = torch.linspace(-1, 1, 16)
     lo, hi = -torch.ones(HEADS, DIM), torch.ones(HEADS, DIM)

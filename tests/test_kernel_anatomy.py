@@ -48,3 +48,5 @@ def test_a_format_or_head_dim_the_kernel_does_not_read_is_refused_by_name():
         kernel_anatomy.compile_variant("dense", 64)
     with pytest.raises(ValueError, match="head_dim 96: the kernel's tiles need a power of two from 16 to 256"):
         kernel_anatomy.compile_variant("int4", 96)
+    with pytest.raises(ValueError, match="format 'fp8' on sm_80: the kernel reads E4M3 codes from sm_89 on"):
+        kernel_anatomy.compile_variant("fp8", 64, arch=80)

@@ -63,6 +63,9 @@ def compile_variant(fmt: str, head_dim: int, query_dtype: torch.dtype = torch.bf
         raise ValueError(f"format {fmt!r}: the kernel reads 'fp8', 'int4' or 'int2'")
     if not decode_attention.head_dim_fits(head_dim):
         raise ValueError(f"head_dim {head_dim}: the kernel's tiles need a power of two from 16 to 256")
+    if fmt == "fp8" and not decode_attention.fp8_readable(divmod(arch, 10)):
+        raise ValueError(f"format 'fp8' on sm_{arch}: the kernel reads E4M3 codes from sm_89 on (FP8 caches take the "
+                         "dequantizing path before that)")
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 replaces Triton's compiler with its interpreter: unset it to compile the kernel")
     g = torch.Generator().manual_seed(0)
@@ -135,12 +138,13 @@ def anatomy(fmt: str, head_dim: int, arch: int = 90, **kw) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kvlab.kernel_anatomy", description=__doc__.splitlines()[0])
     ap.add_argument("--format", action="append", choices=["fp8", "int4", "int2"], dest="formats",
-                    help="storage format (repeatable; default: all three)")
+                    help="storage format (repeatable; default: all three, FP8 only from sm_89)")
     ap.add_argument("--head-dim", action="append", type=int, dest="head_dims", help="head dim (repeatable; default 64 and 128)")
     ap.add_argument("--arch", type=int, default=90, help="compute capability without the dot: 90 = H100/H200 (default), 80 = A100")
     ap.add_argument("--out", type=Path, help="Parquet file for the rows")
     args = ap.parse_args(argv)
-    rows = [anatomy(f, d, arch=args.arch) for f in args.formats or ["fp8", "int4", "int2"] for d in args.head_dims or [64, 128]]
+    default = ["fp8", "int4", "int2"] if decode_attention.fp8_readable(divmod(args.arch, 10)) else ["int4", "int2"]
+    rows = [anatomy(f, d, arch=args.arch) for f in args.formats or default for d in args.head_dims or [64, 128]]
     table = pd.DataFrame(rows, columns=COLUMNS)
     print(table[["format", "head_dim", "block_t", "registers", "shared_bytes", "per_token", "per_token_integer",
                  "per_token_half_math", "per_token_shared_memory", "per_token_tensor_core"]].round(1).to_string(index=False))

@@ -107,6 +107,8 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
                         "dequantize": lambda: torch.nn.functional.scaled_dot_product_attention(
                             q[:, :, None], *layer.full(new_k, new_v), scale=scaling, enable_gqa=True),
                     }
+                    if not decode_attention.supported(layer):  # FP8 before sm_89: no kernel reads it there
+                        del calls["triton"]
                     read = layer.nbytes() + sum(map(kvcache.tensor_nbytes, (q, new_k, new_v))) + out_bytes
                     bits = layer_spec.key.bits if hasattr(layer_spec.key, "bits") else 8
                 for path, fn in calls.items():
