@@ -30,6 +30,7 @@ reference.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -40,6 +41,8 @@ _MIN_TILES_PER_SPLIT = 4  # a split shorter than this costs more in its (o, lse)
 # Tokens per tile of the dense segment (sinks, residual, new token: tens to a few hundred). Small, so that its
 # full-precision tiles do not set the kernel's shared memory, which every program reserves.
 _BLOCK_DENSE = 32
+_LOG2E = math.log2(math.e)  # the launch scales scores by it: the kernel's softmax runs in base 2
+_LN2 = tl.constexpr(math.log(2.0))
 
 
 @functools.cache
@@ -134,15 +137,16 @@ def _order(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, SA: tl.constexpr, 
 @triton.jit
 def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
     """One tile of the online softmax: scores of the rep query heads against the tile's keys (given transposed,
-    (D, tokens)), then its values (tokens, D); q, kt and v in the dot's dtype."""
+    (D, tokens)), then its values (tokens, D); q, kt and v in the dot's dtype. Scores are in base 2: `scaling`
+    includes log2(e), so each weight is one exp2 (what tl.exp does after a multiply)."""
     if IEEE:
         s = tl.dot(q, kt, input_precision="ieee")
     else:
         s = tl.dot(q, kt)
     s = tl.where(tmask[None, :], s * scaling, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))  # finite after a program's first tile, which always holds a token
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
     if IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
@@ -234,7 +238,7 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
             m, l, acc = _online(qd, tl.trans(k), v, tmask, m, l, acc, scaling, IEEE)
         out = qrow * (SPLITS + 1) + split
         tl.store(o_ptr + out[:, None] * D + d[None, :], acc / l[:, None], mask=rmask[:, None])
-    tl.store(lse_ptr + out, m + tl.log(l), mask=rmask)
+    tl.store(lse_ptr + out, (m + tl.log2(l)) * _LN2, mask=rmask)  # natural log-sum-exp, as the merge reads it
 
 
 @triton.jit
@@ -321,7 +325,7 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
     o = torch.empty(b, hq, n_splits + 1, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, n_splits + 1, dtype=torch.float32, device=q.device)
     _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, nd, rep, n_splits, per_split,
-                                          float(scaling), **meta)
+                                          float(scaling) * _LOG2E, **meta)
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     _combine_kernel[(b * hq,)](o, lse, out, n_splits + 1, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits + 1)))
     return out
