@@ -299,13 +299,16 @@ class QuantizedKVLayer(DynamicLayer):
 
 
 def stack_layers(layers: list) -> QuantizedKVLayer | None:
-    """One layer holding the sequences of several (batch rows in order) when they are copies of one storage:
-    quantized layers of one spec object (so one FP8 scale) holding the same counts; None otherwise. The tensors
-    are new; the layers given are not touched."""
+    """One layer holding the sequences of several (batch rows in order) when they can share one: initialized
+    quantized layers of one spec object (so one FP8 scale; no pre-RoPE keys) holding the same counts of sinks,
+    codes and residual tokens, as copies of one compressed cache do; None otherwise. The tensors are new; the
+    layers given are not touched."""
+    if len(layers) < 2:
+        return None
     first = layers[0]
     same = all(isinstance(x, QuantizedKVLayer) and x.is_initialized and x.spec is first.spec and x.counts() == first.counts()
                and x.cumulative_length == first.cumulative_length for x in layers)
-    if len(layers) < 2 or not same or first.spec.rope:
+    if not same or first.spec.rope:
         return None
     out = first.fork()
     for name in ("sink_keys", "sink_values", "keys", "values"):

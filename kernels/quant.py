@@ -35,12 +35,17 @@ def check_float(x: torch.Tensor, what: str) -> None:
         raise TypeError(f"{what}: expected a floating-point tensor, got {x.dtype}")
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on x's device: nothing may wait for data then."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def check_input(x: torch.Tensor, what: str) -> None:
     """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata). On a GPU
     this waits for the tensor: callers check what they are about to quantize, not every token they see. While
     a CUDA graph is being captured nothing can wait for data: only the dtype is checked then."""
     check_float(x, what)
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing(x):
         return
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())

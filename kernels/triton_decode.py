@@ -154,7 +154,10 @@ def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
     return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
-@triton.jit
+# Sizes that change from step to step are not specialized on (a value of 1 or a multiple of 16 would compile
+# another variant, possibly in the middle of a CUDA graph capture); the loads' alignment comes from the rows'
+# widths, which are compile-time constants.
+@triton.jit(do_not_specialize=["T", "ND", "SPLITS", "TILES_PER_SPLIT"])
 def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, ND, REP, SPLITS, TILES_PER_SPLIT,
                    scaling, FP8: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KCHANNEL: tl.constexpr,
                    VBITS: tl.constexpr, VG: tl.constexpr, VCHANNEL: tl.constexpr, IEEE: tl.constexpr,

@@ -157,9 +157,10 @@ def _grid_dequantize_kernel(q_ptr, levels_ptr, out_ptr, N, L, BITS: tl.constexpr
 
 
 def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16)."""
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). The range check waits
+    for the data, so it is skipped while a CUDA graph is captured."""
     quant.check_bits(bits)
-    if rows.numel() and float(rows.float().abs().max()) > quant.FP16_MAX / 2:
+    if rows.numel() and not quant.capturing(rows) and float(rows.float().abs().max()) > quant.FP16_MAX / 2:
         raise ValueError(
             f"affine quantization: |x| up to {float(rows.float().abs().max()):.3g} exceeds what fp16 scales and "
             f"zero points can describe (|x| ≤ {quant.FP16_MAX / 2:g})"

@@ -344,8 +344,31 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
             x = nxt[:, None]
 
 
+GRAPH_VARIANTS = {
+    "full": ("full", {}),
+    "kivi4": ("quant", {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}),
+    # residual 0: every step quantizes its token inside the captured graph
+    "int8": ("quant", {"scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"}),
+}
+
+
+def test_only_steps_that_wait_for_nothing_on_the_host_can_be_captured(tiny, sample, monkeypatch):
+    """Batch.host_free_step: dense caches, and quantized ones while the decode kernel reads them; not H2O, whose
+    rows are masked from host-side lengths at every step."""
+    from kvlab.kernels import decode_attention
+
+    model, _ = tiny
+    base = prefill(model, sample.prompt.context)
+    caches = {name: compress(model, base, Variant(name, kind, 1.0, params)) for name, (kind, params) in GRAPH_VARIANTS.items()}
+    caches["h2o"] = compress(model, base, Variant("h2o", "h2o", 0.5, {"recent": 0.5}))
+    for fused in (True, False):
+        monkeypatch.setattr(decode_attention, "FUSED", fused)
+        free = {name: Batch(model, [cache, cache]).host_free_step() for name, cache in caches.items()}
+        assert free == {"full": True, "kivi4": fused, "int8": fused, "h2o": False}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("name", ["full", "kivi4"])
+@pytest.mark.parametrize("name", sorted(GRAPH_VARIANTS))
 def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny, sample, name):
     """benchmark.graph_step captures the fourth decode step of a batch (quantized rows through the kernel) and
     times its replays; what the replays compute is the token eager decoding gives at that step."""
@@ -357,8 +380,8 @@ def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny, 
     model = copy.deepcopy(tiny[0]).to("cuda")
     p = sample.prompt
     base = prefill(model, p.context)
-    kivi = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}
-    cache = compress(model, base, Variant(name, *(("full", 1.0, {}) if name == "full" else ("quant", 1.0, kivi))))
+    kind, params = GRAPH_VARIANTS[name]
+    cache = compress(model, base, Variant(name, kind, 1.0, params))
     seconds, tokens = graph_step(model, [cache] * 2, p.question + p.suffix, base.length, 3)
     eager = greedy_decode(model, [cache] * 2, p.question + p.suffix, base.length, 4, stop=False)
     assert seconds > 0 and tokens == [row[3] for row in eager]

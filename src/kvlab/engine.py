@@ -296,8 +296,9 @@ class Rows(DynamicLayer):
     concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
     slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the
     padding and keeps the new tokens causal. Rows are forked first; the original caches are never touched.
-    Rows that are copies of one quantized layer (same storage, same counts: a batch of one cache, as the
-    throughput benchmark decodes) are stacked into one layer of that many rows, updated and attended to at once."""
+    Quantized rows that can share one layer (one spec object, the same counts: copies of one compressed cache,
+    as the throughput benchmark decodes; see ``kvcache.stack_layers``) are stacked into one layer of that many
+    rows, updated and attended to at once."""
 
     def __init__(self, rows: list):
         super().__init__()
@@ -403,6 +404,12 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.lengths[0])
+
+    def host_free_step(self) -> bool:
+        """Whether a one-token step waits for nothing on the host, so that a CUDA graph can capture it: every
+        layer of per-row storage is read by the decode kernel (dense layers never wait). H2O, KVQuant's keys,
+        transformers' quantized caches and the dequantizing path build per-row masks from host-side lengths."""
+        return all(layer.fused(1, self.model.device) for layer in self.cache.layers if isinstance(layer, Rows))
 
     def keep(self, rows: list[int]) -> None:
         """Drop every other row (finished sequences stop costing compute)."""

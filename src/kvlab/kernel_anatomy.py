@@ -80,9 +80,8 @@ def compile_variant(fmt: str, head_dim: int, query_dtype: torch.dtype = torch.bf
     signature = {name: "*" + t for name, t in zip(_ARGS[:11], ptr_types)}
     signature |= {name: "i32" for name in _ARGS[11:17]} | {"scaling": "fp32"} | {name: "constexpr" for name in meta}
     names = triton_decode._decode_kernel.arg_names
-    # What the launcher specializes on for real tensors and a long cache: 16-byte aligned pointers, a token count
-    # that is a multiple of 16.
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in (*_ARGS[:11], "T")}
+    # What the launcher specializes on for real tensors: 16-byte aligned pointers (sizes are not specialized on).
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ARGS[:11]}
     source = ASTSource(triton_decode._decode_kernel, signature, constexprs=meta, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled, meta | options

@@ -494,8 +494,8 @@ def kernel_section(rows: pd.DataFrame) -> str:
         "head shape (or the configured one), timed on the device (median of repeated calls, each after a 256 MB "
         "write that evicts the cache from L2, so every path reads from device memory). <b>sdpa</b>: torch's "
         "SDPA on the dense cache; <b>flash</b>: FlashAttention, when installed; <b>triton</b>: kvlab's kernel reading "
-        "the packed codes (FP8 E4M3, KIVI INT4/INT2 with the configured group and residual) and dequantizing in "
-        "registers; <b>dequantize</b>: the same codes rebuilt in full precision, then SDPA — what transformers' and "
+        "the packed codes (FP8 E4M3 from sm_89 on, KIVI INT4/INT2 with the configured group and residual) and "
+        "dequantizing in registers; <b>dequantize</b>: the same codes rebuilt in full precision, then SDPA — what transformers' and "
         "kvpress's quantized caches do at every step. Bandwidth counts the bytes each path must read: the cache as "
         "stored (codes, scales, zero points, residual), the query and the output.</p>"
     )
