@@ -82,9 +82,10 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 def tileable(codec, spec, head_dim: int) -> bool:
     """Whether the kernel's tiles fit an affine codec's layout: a tile holds whole channel-axis groups, so a
     power of two from 32 to 128 tokens that divides the layer's flush group; a token-axis group is a
-    power-of-two run of channels whose codes fill whole 32-bit words (the kernel's loads). (16-token groups, one per tile in the kernel's previous
-    version, gave wrong bf16 outputs on an H200 with Triton 3.6 while float32 was exact; until a GPU run shows
-    that tiles of several groups read them right, they take the dequantizing path.)"""
+    power-of-two run of channels whose codes fill whole 32-bit words (the kernel's loads). (16-token groups,
+    one per tile in the kernel's previous version, gave wrong bf16 outputs on an H200 with Triton 3.6 while
+    float32 was exact; until a GPU run shows that tiles of several groups read them right, they take the
+    dequantizing path.)"""
     if codec.axis == "channel":
         return _pow2(codec.group) and 32 <= codec.group <= 128 and spec.group % codec.group == 0
     g = min(codec.group, head_dim)
@@ -93,9 +94,10 @@ def tileable(codec, spec, head_dim: int) -> bool:
 
 def supported(layer) -> str | None:
     """The fused format of a cache layer: 'affine' (KIVI on either axis, per-token INT8), 'fp8', or None where
-    the kernel has none: not a ``QuantizedKVLayer``; FP8 on a GPU older than sm_89 (``fp8_readable``); a head dim that is not a power of two from 16 to 256;
-    KVQuant's pre-RoPE grid keys, which need each token's RoPE tables; mixed codecs; affine groups its tiles
-    do not fit (see ``tileable``), or keys and values both on the channel axis with different groups or bits."""
+    the kernel has none: not a ``QuantizedKVLayer``; FP8 on a GPU older than sm_89 (``fp8_readable``); a head
+    dim that is not a power of two from 16 to 256; KVQuant's pre-RoPE grid keys, which need each token's RoPE
+    tables; mixed codecs; affine groups its tiles do not fit (see ``tileable``), or keys and values both on the
+    channel axis with different groups or bits."""
     from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
 
     if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:

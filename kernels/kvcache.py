@@ -245,8 +245,8 @@ class QuantizedKVLayer(DynamicLayer):
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         sinks, n = self._plan(keys.shape[-2])
-        for t, what in ((keys, "keys"), (values, "values")):
-            if n:
+        if n:
+            for t, what in ((keys, "keys"), (values, "values")):
                 quant.check_input(t[..., sinks : sinks + n, :], f"quantized cache layer {what}")
         if self.spec.rope:
             cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]

@@ -353,8 +353,9 @@ GRAPH_VARIANTS = {
 
 
 def test_only_steps_that_wait_for_nothing_on_the_host_can_be_captured(tiny, sample, monkeypatch):
-    """Batch.host_free_step: dense caches, and quantized ones while the decode kernel reads them; not H2O, whose
+    """engine.host_free_step: dense caches, and quantized ones while the decode kernel reads them; not H2O, whose
     rows are masked from host-side lengths at every step."""
+    from kvlab.engine import host_free_step
     from kvlab.kernels import decode_attention
 
     model, _ = tiny
@@ -363,7 +364,7 @@ def test_only_steps_that_wait_for_nothing_on_the_host_can_be_captured(tiny, samp
     caches["h2o"] = compress(model, base, Variant("h2o", "h2o", 0.5, {"recent": 0.5}))
     for fused in (True, False):
         monkeypatch.setattr(decode_attention, "FUSED", fused)
-        free = {name: Batch(model, [cache, cache]).host_free_step() for name, cache in caches.items()}
+        free = {name: host_free_step([cache, cache], model.device) for name, cache in caches.items()}
         assert free == {"full": True, "kivi4": fused, "int8": fused, "h2o": False}
 
 

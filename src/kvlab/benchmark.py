@@ -17,7 +17,7 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.engine import Batch, cache_stats, compress, decode_path, evaluate_sample, greedy_decode, prefill
+from kvlab.engine import Batch, cache_stats, compress, decode_path, evaluate_sample, greedy_decode, host_free_step, prefill
 from kvlab.evaluate import load_model
 from kvlab.hardware import device_name
 from kvlab.io import write_parquet
@@ -102,10 +102,10 @@ def graph_step(model, caches: list, tail: list[int], start: int, replays: int) -
     step — same position, same cache, the new token rewritten where it went — so it times decoding at this
     context with every launch and Python call taken out, as graph-replaying servers decode. Also returns the
     step's tokens (argmax per row, the fourth new token) as the replays computed them."""
-    batch = Batch(model, caches)
-    if not batch.host_free_step():
+    if not host_free_step(caches, model.device):
         raise ValueError("graph_step: a decode step over these caches waits on the host (per-row masks), so a CUDA "
                          "graph cannot capture it; only dense caches and quantized ones the decode kernel reads can")
+    batch = Batch(model, caches)
     x = torch.tensor([tail] * batch.size, device=model.device)
     side = torch.cuda.Stream(model.device)
     side.wait_stream(torch.cuda.current_stream(model.device))
@@ -135,7 +135,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
     decoded in lockstep (quantized copies are stacked into one layer, see ``engine.Rows``). One row per
     variant and batch; tokens/s counts every row's tokens. On CUDA also the step time with the host taken
     out (``graph_step``: one step replayed from a CUDA graph) where a step can be captured (dense caches and
-    those the decode kernel reads, see ``Batch.host_free_step``); NaN elsewhere."""
+    those the decode kernel reads, see ``engine.host_free_step``); NaN elsewhere."""
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
@@ -155,7 +155,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
             seconds = time.perf_counter() - t0
             tokens = sum(len(ids) for ids in out)
             graph_s = float("nan")
-            if model.device.type == "cuda" and Batch(model, [cache] * batch).host_free_step():
+            if model.device.type == "cuda" and host_free_step([cache] * batch, model.device):
                 graph_s, _ = graph_step(model, [cache] * batch, sample.prompt.suffix, base.length, GRAPH_REPLAYS)
             rows.append(
                 {

@@ -291,6 +291,15 @@ def own_layout(layer) -> bool:
     return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)
 
 
+def host_free_step(caches: list[DynamicCache], device) -> bool:
+    """Whether a one-token step of these caches decoded as one batch waits for nothing on the host, so that a
+    CUDA graph can capture it: every layer that `Batch` keeps per row (`Rows`) is read by the decode kernel;
+    dense layers never wait. H2O, KVQuant's keys, transformers' quantized caches and the dequantizing path
+    build per-row masks from host-side lengths."""
+    return all(decode_attention.fused_rows(rows, device) for rows in zip(*(c.layers for c in caches))
+               if any(own_layout(r) for r in rows))
+
+
 class Rows(DynamicLayer):
     """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
     concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
@@ -404,12 +413,6 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.lengths[0])
-
-    def host_free_step(self) -> bool:
-        """Whether a one-token step waits for nothing on the host, so that a CUDA graph can capture it: every
-        layer of per-row storage is read by the decode kernel (dense layers never wait). H2O, KVQuant's keys,
-        transformers' quantized caches and the dequantizing path build per-row masks from host-side lengths."""
-        return all(layer.fused(1, self.model.device) for layer in self.cache.layers if isinstance(layer, Rows))
 
     def keep(self, rows: list[int]) -> None:
         """Drop every other row (finished sequences stop costing compute)."""
