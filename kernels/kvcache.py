@@ -59,15 +59,18 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 @dataclass
 class AffineCodec:
     """Asymmetric min–max integers. ``channel``: per channel over groups of ``group`` tokens (KIVI keys);
-    ``token``: per token over groups of ``group`` channels (KIVI values; INT8 per-token with group = D)."""
+    ``token``: per token over groups of ``group`` channels (KIVI values; INT8 per-token with group = D).
+    ``encode`` takes x as checked (finite, within fp16 metadata's range): ``QuantizedKVLayer`` checks keys and
+    values together, with one wait on a GPU (``quant.check_input``)."""
 
     bits: int
     group: int
     axis: str
+    fp16_metadata = True  # its scales and zero points are fp16 (the range check of quant.check_input)
 
     def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
         b, h, n, d = x.shape
-        packed, scale, zero = ops(x).affine_quantize(quant.to_rows(x, self.axis, self.group), self.bits)
+        packed, scale, zero = ops(x).affine_quantize(quant.to_rows(x, self.axis, self.group), self.bits, checked=True)
         if self.axis == "channel":  # rows are (b, h, token group, channel)
             lead = (b, h, n // self.group, d)
         else:  # rows are (b, h, token, channel group)
@@ -246,8 +249,8 @@ class QuantizedKVLayer(DynamicLayer):
         values = torch.cat([self.values, value_states], dim=-2)
         sinks, n = self._plan(keys.shape[-2])
         if n:
-            for t, what in ((keys, "keys"), (values, "values")):
-                quant.check_input(t[..., sinks : sinks + n, :], f"quantized cache layer {what}")
+            quant.check_input(*((f"quantized cache layer {what}", t[..., sinks : sinks + n, :], getattr(codec, "fp16_metadata", False))
+                                for t, what, codec in ((keys, "keys", self.spec.key), (values, "values", self.spec.value))))
         if self.spec.rope:
             cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
             self.cos = cos if self.cos is None else torch.cat([self.cos, cos], dim=1)

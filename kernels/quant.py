@@ -18,6 +18,8 @@ Layouts (a cache tensor is (B, H, T, D)):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -40,16 +42,31 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_input(x: torch.Tensor, what: str) -> None:
-    """A clear one-line error for tensors no quantizer can encode (NaN/Inf, or beyond fp16 metadata). On a GPU
-    this waits for the tensor: callers check what they are about to quantize, not every token they see. While
-    a CUDA graph is being captured nothing can wait for data: only the dtype is checked then."""
-    check_float(x, what)
-    if capturing(x):
+def check_input(*checks: tuple[str, torch.Tensor, bool]) -> None:
+    """A clear one-line error for tensors no quantizer can encode: each check is (what, tensor, fp16 metadata);
+    NaN/Inf is refused, and where the tensor's codes get fp16 scales and zero points (affine), |x| beyond
+    ``FP16_MAX / 2``. On a GPU this waits for the data once for all the tensors (one peak |x| each: NaN and Inf
+    show in it), so callers check what they are about to quantize, together, not every token they see. While a
+    CUDA graph is being captured nothing can wait for data: only the dtypes are checked then."""
+    for what, x, _ in checks:
+        check_float(x, what)
+    checks = tuple(c for c in checks if c[1].numel())
+    if not checks or capturing(checks[0][1]):
         return
-    if not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")
+    peaks = torch.stack([x.detach().abs().amax().float() for _, x, _ in checks]).tolist()
+    for (what, x, fp16_metadata), peak in zip(checks, peaks):
+        if not math.isfinite(peak):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")
+        if fp16_metadata:
+            check_fp16_range(peak, what)
+
+
+def check_fp16_range(peak: float, what: str) -> None:
+    """Affine codes keep fp16 scales and zero points: |x| must stay within ``FP16_MAX / 2``."""
+    if peak > FP16_MAX / 2:
+        raise ValueError(f"{what}: |x| up to {peak:.3g} exceeds what fp16 scales and zero points can describe "
+                         f"(|x| ≤ {FP16_MAX / 2:g})")
 
 
 def check_bits(bits: int) -> None:
@@ -118,15 +135,14 @@ def fp16_up(x: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 
 
-def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16)."""
+def affine_quantize(rows: torch.Tensor, bits: int, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). ``checked``: the caller
+    has run ``check_input`` on these values (finite, within fp16 metadata's range), so the range is not checked
+    again."""
     check_bits(bits)
     x = rows.float()
-    if x.numel() and float(x.abs().max()) > FP16_MAX / 2:
-        raise ValueError(
-            f"affine quantization: |x| up to {float(x.abs().max()):.3g} exceeds what fp16 scales and zero points "
-            f"can describe (|x| ≤ {FP16_MAX / 2:g})"
-        )
+    if x.numel() and not checked:
+        check_fp16_range(float(x.abs().max()), "affine quantization")
     zero = fp16_down(x.amin(1))
     levels = 2**bits - 1
     span = x.amax(1) - zero.float()

@@ -156,15 +156,13 @@ def _grid_dequantize_kernel(q_ptr, levels_ptr, out_ptr, N, L, BITS: tl.constexpr
 # --------------------------------------------------------------------------- #
 
 
-def affine_quantize(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). The range check waits
-    for the data, so it is skipped while a CUDA graph is captured."""
+def affine_quantize(rows: torch.Tensor, bits: int, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). The range check (not
+    run when ``checked``, see ``quant.affine_quantize``) waits for the data, so it is skipped while a CUDA graph
+    is captured."""
     quant.check_bits(bits)
-    if rows.numel() and not quant.capturing(rows) and float(rows.float().abs().max()) > quant.FP16_MAX / 2:
-        raise ValueError(
-            f"affine quantization: |x| up to {float(rows.float().abs().max()):.3g} exceeds what fp16 scales and "
-            f"zero points can describe (|x| ≤ {quant.FP16_MAX / 2:g})"
-        )
+    if rows.numel() and not checked and not quant.capturing(rows):
+        quant.check_fp16_range(float(rows.float().abs().max()), "affine quantization")
     n, length = rows.shape
     quant.check_length(length, bits)
     packed = torch.empty(n, length * bits // 8, dtype=torch.uint8, device=rows.device)

@@ -182,13 +182,22 @@ def test_kvquant_outliers_and_sinks_are_kept_in_full_precision():
     assert not bool((worst == biggest).any())  # the largest entry of every vector is never the worst one
 
 
-def test_bad_values_are_refused_before_storing():
+@pytest.mark.parametrize("bad,message", [(float("nan"), "keys: 1 NaN/Inf"), (4e4, "values: .* exceeds what fp16 scales")])
+def test_bad_values_are_refused_before_storing(bad, message):
     layer = kvcache.QuantizedKVLayer(SPECS["kivi4"]())
     keys, values = random_kv(20)
-    keys[0, 0, 3, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN/Inf"):
+    (keys if bad != bad else values)[0, 0, 3, 3] = bad
+    with pytest.raises(ValueError, match=message):
         layer.update(keys, values)
     assert layer.quantized == 0 and layer.get_seq_length() == 0
+
+
+def test_fp16_metadata_range_binds_affine_codes_only():
+    """FP8 codes keep a float32 scale: values beyond fp16 metadata's range are theirs to encode (saturating)."""
+    keys, values = random_kv(20)
+    values[0, 0, 3, 3] = 4e4
+    layer = kvcache.layer_from_dense(keys, values, SPECS["fp8_dynamic"]())
+    assert layer.quantized == 20
 
 
 def test_a_bad_token_is_refused_when_its_group_is_quantized():
@@ -205,6 +214,29 @@ def test_a_bad_token_is_refused_when_its_group_is_quantized():
     with pytest.raises(ValueError, match="quantized cache layer keys: 1 NaN/Inf"):
         layer.append(keys[..., -1:, :], values[..., -1:, :])
     assert layer.quantized == 0 and layer.get_seq_length() == spec.residual + spec.group - 1
+
+
+@pytest.mark.parametrize("name", ["kivi4", "int8"])
+def test_an_append_reads_the_device_once_whatever_it_quantizes(name, monkeypatch):
+    """The checks of what an append quantizes (finite keys and values, within fp16 metadata's range) read the
+    data back once for both tensors: on a GPU each read is a wait that stops the host from queueing the next
+    launches. An append that quantizes nothing reads nothing."""
+    reads = []
+    for method in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method, lambda t, *a, _f=original, _m=method: reads.append(_m) or _f(t, *a))
+    spec = SPECS[name]()
+    layer = kvcache.QuantizedKVLayer(spec)
+    keys, values = random_kv(8 + 16)
+    layer.update(keys[..., :8, :], values[..., :8, :])
+    per_append = []  # (whether it quantized, reads)
+    for t in range(8, 24):
+        before, quantized = len(reads), layer.quantized
+        layer.append(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+        per_append.append((layer.quantized > quantized, len(reads) - before))
+    assert sum(flushed for flushed, _ in per_append) == 16 // spec.group  # KIVI: a group of 8 at a time; INT8: every token
+    assert {n for flushed, n in per_append if flushed} == {1}
+    assert {n for flushed, n in per_append if not flushed} <= {0}
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_non_finite_input_is_refused(bad):
     x = torch.randn(1, 2, 4, 8)
     x[0, 1, 2, 3] = bad
     with pytest.raises(ValueError, match="NaN/Inf"):
-        quant.check_input(x, "keys")
+        quant.check_input(("keys", x, False))
 
 
 def test_out_of_metadata_range_is_refused():
