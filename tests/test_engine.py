@@ -135,6 +135,37 @@ def test_padded_rows_decode_as_if_alone(tiny, sample):
     assert not torch.allclose(together[0], together[1], atol=1e-3)  # the rows really differ
 
 
+def test_one_token_steps_without_padding_attend_without_a_mask(tiny, sample):
+    """A decode step over rows that hold the same entries (copies of one cache, as the throughput benchmark
+    decodes; any batch of one) passes no mask, which hides nothing there, and gives the logits the masked step
+    gives; a step over padded rows, or feeding several tokens, keeps its mask."""
+    from kvlab.engine import attention_layers
+
+    model, _ = tiny
+    p = sample.prompt
+    base = prefill(model, p.context)
+    full = compress(model, base, Variant("full", "full", 1.0))
+    short = compress(model, base, Variant("s", "kvpress", 0.25, SNAP))
+    seen = []
+    hooks = [layer.register_forward_hook(lambda m, a, kw, out: seen.append(kw.get("attention_mask")), with_kwargs=True)
+             for layer in attention_layers(model)]  # the mask each layer's attention got (after Batch's own hooks)
+    try:
+        tail = torch.tensor([p.question + p.suffix] * 2)
+        logits = {}
+        for name, caches, force in (("free", [full, full], False), ("masked", [full, full], True), ("padded", [short, full], False)):
+            batch = Batch(model, caches)
+            if force:
+                batch.padded_rows = [True] * len(batch.padded_rows)
+            x = batch.forward(tail, base.length)[:, -1].argmax(-1, keepdim=True)
+            del seen[:]
+            logits[name] = batch.forward(x, base.length + tail.shape[1])[:, -1]
+            assert all(m is None for m in seen) == (name == "free") and len(seen) == len(attention_layers(model))
+    finally:
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(logits["free"], logits["masked"], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind,spec", [
     ("niah", {"depths": [0.3, 0.8], "samples": 2, "seed": 1}),
     ("multi_turn", {"depths": [0.4], "samples": 2, "seed": 1}),

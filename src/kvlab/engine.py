@@ -392,6 +392,7 @@ class Batch:
         self.lengths: list[torch.Tensor] = []
         self.padded: list[int] = []
         self.masked: list[torch.Tensor | None] = []  # (B, H_kv, width): entries a masking press hides, per layer
+        self.padded_rows: list[bool] = []  # whether some row of a layer holds fewer entries than its width
         for idx, layer in enumerate(self.cache.layers):
             rows = [c.layers[idx] for c in caches]
             n = [held_tokens(r) for r in rows]
@@ -404,6 +405,7 @@ class Batch:
                 layer.values = torch.cat([_pad(r.values, width) for r in rows])
             self.lengths.append(torch.tensor(n, device=model.device))
             self.padded.append(width)
+            self.padded_rows.append(min(n) < width)  # dropping rows (keep) never adds padding
             self.masked.append(None if own else masked_entries(rows, width))  # Rows mask their own rows
         # position shift per row: re-rotated caches decode from their kept length, not the prompt's
         self.shift = torch.tensor([getattr(c, "position_shift", 0) for c in caches], device=model.device)
@@ -428,10 +430,15 @@ class Batch:
                 self.masked[idx] = self.masked[idx].index_select(0, index)
         self.shift = self.shift.index_select(0, index)
 
-    def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
         stored entries and the tail causally, never the padding. Where a press masked entries per KV head,
-        the mask is per query head (B, H_q, n, kv) and hides them too."""
+        the mask is per query head (B, H_q, n, kv) and hides them too. None for a one-token step where it would
+        hide nothing (no padding, no masked entries): attention then runs without one, as a dense cache's decode
+        does in any server (with a mask SDPA cannot take its flash kernel, and building it is several launches
+        per layer and step)."""
+        if n == 1 and not self.padded_rows[idx] and self.masked[idx] is None:
+            return None
         width, device = self.padded[idx], self.lengths[idx].device
         kv = width + self.fed + n
         j = torch.arange(kv, device=device)
