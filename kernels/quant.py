@@ -226,12 +226,3 @@ def from_rows(rows: torch.Tensor, axis: str, group: int, shape: tuple[int, int, 
     if axis == "channel":
         return rows.reshape(b, h, t // group, d, group).transpose(-1, -2).reshape(b, h, t, d)
     return rows.reshape(b, h, t, d)
-
-
-def pad_tokens(x: torch.Tensor, multiple: int) -> torch.Tensor:
-    """Repeat the last token until T is a multiple (a repeated token changes no group's min or max)."""
-    t = x.shape[-2]
-    extra = -t % multiple
-    if extra == 0:
-        return x
-    return torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], extra, x.shape[-1])], dim=-2)

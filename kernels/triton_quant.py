@@ -3,7 +3,7 @@ in ``kvlab.kernels.quant`` (read that module for the formats); tests/test_triton
 equality under ``TRITON_INTERPRET=1`` on the CPU, and on CUDA when present.
 
 Every wrapper validates like its reference, allocates the outputs and launches one kernel over tiles of
-``BLOCK_N`` rows × ``BLOCK_L`` (next power of two of the row length) values. A program walks the packed bytes
+``BLOCK_N`` rows × ``BLOCK_L`` (next power of two of the row length, at least 8) values. A program walks the packed bytes
 of its rows: code ``j`` of each byte is value ``byte * per + j`` of the row (``per = 8 // bits``).
 Exactness: divisions use ``div_rn`` (IEEE, like torch) and launches pass ``enable_fp_fusion=False`` so no
 multiply-add is contracted into an FMA; fp16 and E4M3 rounding is done on bit patterns, as torch does it.

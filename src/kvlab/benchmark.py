@@ -1,6 +1,7 @@
 """Two measurements that are not task scores.
 
-* ``engine_vs_pipeline``: the same grid (samples × variants × question modes) evaluated by our engine
+* ``engine_vs_pipeline``: the same grid (samples × variants × question modes; the variants kvpress's pipeline
+  runs as they are: full and plain presses without a wrapper; the agnostic and aware modes) evaluated by our engine
   (one prefill per sample, every variant compressed from it and decoded as one batch) and by kvpress's own
   pipeline, one call per variant and mode (each call prefills, compresses and decodes alone). In the
   question-agnostic mode both decode greedily from identical token ids, so their answers must agree; in the
@@ -31,7 +32,7 @@ GRAPH_REPLAYS = 20  # replays of the captured decode step timed per (variant, ba
 
 
 def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: int, samples: int, run: dict, out_path) -> pd.DataFrame:
-    """Wall time of the configured grid (samples × variants × question modes) by the engine and by kvpress's
+    """Wall time of the configured grid (samples × full and plain-press variants × agnostic and aware modes) by the engine and by kvpress's
     pipeline, answers only. The pipeline is called once per variant and mode: question-agnostic with the
     question passed separately (compressed context, then the question), question-aware with the question
     inside the compressed context. The engine is also timed on the agnostic mode alone."""

@@ -151,8 +151,9 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
 
 @torch.no_grad()
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
-    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any), then quantized (if a
-    quantized method). For full, a copy sharing the base's tensors."""
+    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any) or by its own evictor
+    (`EVICTORS`: H2O's layers, which go on evicting while decoding), then quantized (if a quantized method).
+    For full, a copy sharing the base's tensors."""
     cache = shallow_copy(base.cache)
     press = variant.make_press()
     sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
@@ -456,7 +457,8 @@ class Batch:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1) -> torch.Tensor:
-        """Feed `ids` (B, n) at original positions start…; return the last `logits_to_keep` logits."""
+        """Feed `ids` (B, n) at original positions start… (a re-rotated row: at its kept length, see `shift`);
+        return the last `logits_to_keep` logits."""
         model, n = self.model, ids.shape[1]
         pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
         heads = model.config.get_text_config().num_attention_heads
@@ -558,7 +560,7 @@ def greedy_decode(
     false EOS is ignored: exactly `max_new_tokens` steps, for timing).
 
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
-    RoPE rotation they were cached with.
+    RoPE rotation they were cached with. A re-rotated cache (KeyRerotationPress) continues at its kept length.
     """
     batch = Batch(model, caches)
     eos = stop_ids(model) if stop else set()
@@ -586,9 +588,9 @@ def greedy_decode(
 @torch.no_grad()
 def teacher_forced(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int) -> torch.Tensor:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
-    `path` are fed after its cache. Dense caches take one forward pass for all tokens; quantized ones are fed
-    the path one token at a time, as in decoding, so each token sees earlier ones as the cache stores them
-    (quantized once they leave the residual window)."""
+    `path` are fed after its cache. Dense caches take one forward pass for all tokens; quantized ones and those
+    that evict while decoding (H2O, see `own_layout`) are fed the path one token at a time, as in decoding, so
+    each token sees earlier ones as the cache stores them (quantized once they leave the residual window)."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     quantized = [any(own_layout(layer) for layer in c.layers) for c in caches]

@@ -1,8 +1,15 @@
 """Quantized-cache methods: config entries → per-layer cache layouts (``kvlab.kernels.kvcache``).
 
 Kinds:
-  ``quant``         our caches: ``scheme`` ∈ fp8 | int8 | kivi | kvquant (see SCHEMES), optionally composed with
-                    eviction (``press`` + ``kwargs``: evict first, then quantize what is kept);
+  ``quant``         our caches, optionally composed with eviction (``press`` + ``kwargs``: evict first, then
+                    quantize what is kept); ``scheme``:
+      ``fp8``      FP8 E4M3, every token at once; static per-(layer, KV head) scales from calibration, or one
+                   dynamic per-tensor scale per layer set at prefill;
+      ``int8``     INT8 per token (asymmetric min–max over the head's channels), every token at once;
+      ``kivi``     keys per channel in groups of G tokens, values per token in groups of G channels, asymmetric
+                   min–max, the newest R tokens in full precision (axes configurable for the 2-bit ablation);
+      ``kvquant``  pre-RoPE keys per channel (calibrated range) on the calibrated non-uniform grid, the top
+                   outliers of each key vector in fp16, the first sink_tokens in full precision; values as KIVI's;
   ``hf_quantized``  transformers' QuantizedCache (quanto backend), the baseline users can reach today.
 Only full-attention layers are quantized; sliding-window layers (Gemma 3) keep their own window untouched.
 """
@@ -19,17 +26,6 @@ from kvlab.kernels import kvcache
 from kvlab.kernels.accounting import TensorCodes
 
 QUANT_KINDS = ("quant", "hf_quantized")
-
-SCHEMES = {
-    "fp8": "FP8 E4M3, every token at once; static per-(layer, KV head) scales from calibration, or one dynamic "
-    "per-tensor scale per layer set at prefill",
-    "int8": "INT8 per token (asymmetric min–max over the head's channels), every token at once",
-    "kivi": "KIVI: keys per channel in groups of G tokens, values per token in groups of G channels, asymmetric "
-    "min–max, newest R tokens in full precision (axes configurable for the 2-bit ablation)",
-    "kvquant": "KVQuant-style: pre-RoPE keys per channel (calibrated range) on the calibrated non-uniform grid, "
-    "top outliers per key vector in fp16, first sink_tokens in full precision; values per token as KIVI",
-}
-
 
 def residual(spec: dict) -> int:
     """R, the newest tokens kept in full precision: as configured, else 32 for kivi/kvquant and 0 for fp8/int8."""

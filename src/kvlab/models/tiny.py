@@ -46,8 +46,6 @@ def tiny_model(spec: dict, vocab_size: int) -> torch.nn.Module:
         max_position_embeddings=spec["max_position_embeddings"],
         tie_word_embeddings=True,
     )
-    if spec["architecture"] == "gemma3_text" and spec.get("sliding_window"):
-        kwargs["sliding_window"] = spec["sliding_window"]
     config = AutoConfig.for_model(spec["architecture"], **kwargs)
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
