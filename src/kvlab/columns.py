@@ -4,5 +4,5 @@
 DECODE_KERNEL_COLUMNS = {
     "model": "string", "format": "string", "path": "string", "bits": "int64", "context_tokens": "int64",
     "batch": "int64", "kv_heads": "int64", "query_heads": "int64", "head_dim": "int64", "ms": "float64",
-    "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
+    "call_ms": "float64", "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
 }

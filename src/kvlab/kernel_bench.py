@@ -1,6 +1,8 @@
 """Decode-attention microbenchmark: one query token per sequence against a cache of T tokens in one layer with
-the model's head shape, per storage format and path, timed on the device. Rows: milliseconds per call and the
-bandwidth achieved counting the bytes the path must read (the cache as stored, plus the query and output).
+the model's head shape, per storage format and path, timed on the device. Rows: milliseconds per call on the
+device (``ms``: the call replayed from a CUDA graph) and called from Python (``call_ms``: with its host work), and
+the bandwidth achieved in ``ms`` counting the bytes the path must read (the cache as stored, plus the query and
+output).
 
 Paths:
   - ``sdpa``: torch's scaled_dot_product_attention over the dense cache in the model dtype (GQA inside the kernel);
@@ -42,27 +44,40 @@ def formats(group: int, residual: int) -> dict[str, kvcache.LayerSpec | None]:
 FLUSH_BYTES = 256 << 20  # more than any GPU's last-level cache (H100/H200: 50/60 MB)
 
 
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median milliseconds of `fn()` after a warm-up call (compilation, autotuning). On CUDA, a 256 MB buffer
-    is overwritten before each timed call, so every call reads its cache from device memory, not from L2 (an
-    INT4 cache of a few tens of MB would otherwise stay in L2 between calls while a bf16 one would not)."""
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Median milliseconds of `fn()` after a warm-up call (compilation, autotuning), (device, call):
+      - device: on CUDA, the call captured once in a CUDA graph and the graph replayed: the kernels' own time,
+        with no Python or launch latency before or between them (what a graph-replaying server pays);
+      - call: `fn()` called from Python, so where its host work (argument checks, launches) outlasts the
+        kernels, the device waits and the time shows it (what eager decoding pays per layer and step).
+    On CUDA, a 256 MB buffer is overwritten before each timed call, so every call reads its cache from device
+    memory, not from L2 (an INT4 cache of a few tens of MB would otherwise stay in L2 between calls while a
+    bf16 one would not). On the CPU both are the call's wall time."""
     fn()
-    samples = []
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
+    if device.type != "cuda":
+        samples = []
+        for _ in range(repeats):
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+        return statistics.median(samples), statistics.median(samples)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
+    medians = []
+    for run in (graph.replay, fn):
+        samples = []
+        for _ in range(repeats):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize(device)
+            samples.append(start.elapsed_time(end))
+        medians.append(statistics.median(samples))
+    return medians[0], medians[1]
 
 
 def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFrame:
@@ -112,14 +127,15 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
                     read = layer.nbytes() + sum(map(kvcache.tensor_nbytes, (q, new_k, new_v))) + out_bytes
                     bits = layer_spec.key.bits if hasattr(layer_spec.key, "bits") else 8
                 for path, fn in calls.items():
-                    ms = timed(fn, dev, spec["repeats"])
+                    ms, call_ms = timed(fn, dev, spec["repeats"])
                     rows.append({
                         "model": card["name"], "format": name, "path": path, "bits": bits, "context_tokens": tokens,
                         "batch": batch, "kv_heads": heads, "query_heads": q_heads, "head_dim": dim, "ms": ms,
-                        "bytes_read": read, "gb_per_s": read / ms / 1e6, "dtype": str(dtype).removeprefix("torch."),
-                        "device": device_name(device),
+                        "call_ms": call_ms, "bytes_read": read, "gb_per_s": read / ms / 1e6,
+                        "dtype": str(dtype).removeprefix("torch."), "device": device_name(device),
                     })
-                    log.info("%s/%s T=%d B=%d: %.3f ms, %.1f GB/s", name, path, tokens, batch, ms, rows[-1]["gb_per_s"])
+                    log.info("%s/%s T=%d B=%d: %.3f ms (%.3f ms called from Python), %.1f GB/s", name, path, tokens, batch,
+                             ms, call_ms, rows[-1]["gb_per_s"])
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

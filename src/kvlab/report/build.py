@@ -481,9 +481,9 @@ def kernel_charts(rows: pd.DataFrame) -> str:
     base = alt.Chart(data).mark_line(point=True).encode(
         x=alt.X("context_tokens:Q", title="context tokens", scale=alt.Scale(type="log", base=2)),
         color=alt.Color("variant:N", title="format · path"),
-        tooltip=["variant", "context_tokens", "batch", "ms", "gb_per_s", "speedup_vs_sdpa"],
+        tooltip=["variant", "context_tokens", "batch", "ms", "call_ms", "gb_per_s", "speedup_vs_sdpa"],
     ).properties(width=300, height=200)
-    time = base.encode(y=alt.Y("ms:Q", title="ms per call", scale=alt.Scale(type="log"))).facet(column=alt.Column("batch:O", title="batch"))
+    time = base.encode(y=alt.Y("ms:Q", title="ms per call on the device", scale=alt.Scale(type="log"))).facet(column=alt.Column("batch:O", title="batch"))
     bandwidth = base.encode(y=alt.Y("gb_per_s:Q", title="GB/s (bytes the path must read)")).facet(column=alt.Column("batch:O", title="batch"))
     return svg(time) + svg(bandwidth)
 
@@ -492,7 +492,9 @@ def kernel_section(rows: pd.DataFrame) -> str:
     intro = (
         "<p>One decode step of one layer: a query token per sequence against a cache of N tokens with the model's "
         "head shape (or the configured one), timed on the device (median of repeated calls, each after a 256 MB "
-        "write that evicts the cache from L2, so every path reads from device memory). <b>sdpa</b>: torch's "
+        "write that evicts the cache from L2, so every path reads from device memory). <b>ms</b> is the device's "
+        "time: the call replayed from a CUDA graph, with no Python or launch latency; <b>call_ms</b> is the call "
+        "made from Python, which also pays the host's work where it outlasts the kernels. <b>sdpa</b>: torch's "
         "SDPA on the dense cache; <b>flash</b>: FlashAttention, when installed; <b>triton</b>: kvlab's kernel reading "
         "the packed codes (FP8 E4M3 from sm_89 on, KIVI INT4/INT2 with the configured group and residual) and "
         "dequantizing in registers; <b>dequantize</b>: the same codes rebuilt in full precision, then SDPA — what transformers' and "

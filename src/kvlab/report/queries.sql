@@ -146,10 +146,11 @@ SELECT model, context_tokens, batch, method, budget, new_tokens, tokens_per_s, g
 FROM throughput ORDER BY model, context_tokens, batch, method, budget DESC;
 
 -- name: decode_kernels
--- Decode attention, one call per layer and step (CUDA only): time and bandwidth per storage format and path,
--- and the speed-up over SDPA on the dense cache at the same context length and batch.
+-- Decode attention, one call per layer and step (CUDA only): time on the device (replayed from a CUDA graph)
+-- and called from Python, bandwidth per storage format and path, and the device-time speed-up over SDPA on
+-- the dense cache at the same context length and batch.
 WITH dense AS (SELECT model, device, context_tokens, batch, ms AS sdpa_ms FROM decode_kernels WHERE path = 'sdpa')
-SELECT model, device, dtype, context_tokens, batch, format, path, ms, gb_per_s, bytes_read,
+SELECT model, device, dtype, context_tokens, batch, format, path, ms, call_ms, gb_per_s, bytes_read,
        sdpa_ms / ms AS speedup_vs_sdpa
 FROM decode_kernels LEFT JOIN dense USING (model, device, context_tokens, batch)
 ORDER BY model, device, batch, context_tokens, bits DESC, path;
