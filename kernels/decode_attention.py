@@ -125,18 +125,24 @@ def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[tor
     return dense_segment(q, k, v, scaling)
 
 
-def dense_tokens(layer, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full-precision segment (B, H, n, D) keys and values: sinks, residual, then the new token."""
-    return tuple(torch.cat([t for t in parts if t is not None], dim=-2)
-                 for parts in ((layer.sink_keys, layer.keys, new_keys), (layer.sink_values, layer.values, new_values)))
+def dense_tokens(layer, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full-precision segment (B, H, n, D) keys and values: sinks, residual, then the new token (if given); the
+    residual itself where it is all of it (no copy)."""
+    out = []
+    for parts in ((layer.sink_keys, layer.keys, new_keys), (layer.sink_values, layer.values, new_values)):
+        parts = [t for t in parts if t is not None]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
+    return out[0], out[1]
 
 
-def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor, new_values: torch.Tensor, scaling: float,
+def decode_attention(q: torch.Tensor, layer, new_keys: torch.Tensor | None, new_values: torch.Tensor | None, scaling: float,
                      fused: bool | None = None) -> torch.Tensor:
     """Attention output (B, H_q, D) float32 of one new token per sequence over a ``QuantizedKVLayer`` that does
-    not yet hold it (``new_keys``/``new_values`` (B, H, 1, D)). ``fused``: the Triton kernel reads the codes
-    (default: on CUDA, for the formats of :func:`supported`); otherwise the torch reference dequantizes them."""
-    if q.dim() != 3 or new_keys.shape[-2] != 1:
+    not yet hold it (``new_keys``/``new_values`` (B, H, 1, D)), or that holds it in full precision already (None,
+    None: appended without quantizing anything, so it is the last token of the residual). ``fused``: the Triton
+    kernel reads the codes (default: on CUDA, for the formats of :func:`supported`); otherwise the torch
+    reference dequantizes them."""
+    if q.dim() != 3 or (new_keys is not None and new_keys.shape[-2] != 1):
         raise ValueError(f"decode attention takes one query token per sequence: q (B, H_q, D), got {tuple(q.shape)}")
     fmt = supported(layer)
     if fused is None:

@@ -52,9 +52,11 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         rows, start = [], 0
         for layer, k, v in fused:  # a layer per row, or one for rows stacked by Rows
-            rows.append(decode_attention.decode_attention(query[start : start + k.shape[0], :, 0], layer, k, v, scale, fused=True))
-            start += k.shape[0]
-        return torch.cat(rows).to(query.dtype)[:, None], None
+            n = layer.keys.shape[0]
+            rows.append(decode_attention.decode_attention(query[start : start + n, :, 0], layer, k, v, scale, fused=True))
+            start += n
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one layer for all rows when Rows stacked them
+        return out.to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
@@ -352,8 +354,11 @@ class Rows(DynamicLayer):
             steps = []
             for row, rows in self.slices():
                 k, v = key_states[rows], value_states[rows]
-                steps.append((kvcache.fork_layer(row), k, v))  # the row as the new token's query sees it
+                before = kvcache.fork_layer(row)
                 row.append(k, v)
+                # The new token's query sees the codes, and every other token in full precision: the row itself
+                # when the append only grew its residual (no copy of it), else the row as it was, plus the token.
+                steps.append((row, None, None) if row.quantized == before.quantized else (before, k, v))
             key_states = key_states.view_as(key_states)
             key_states.fused = steps
             return key_states, value_states
