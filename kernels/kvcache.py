@@ -301,6 +301,9 @@ class QuantizedKVLayer(DynamicLayer):
         return {"sink_tokens": sinks, "quantized_tokens": self.quantized, "residual_tokens": self.keys.shape[-2]}
 
 
+_FULL_PRECISION = ("sink_keys", "sink_values", "keys", "values")  # a layer's tensors beside its stored codes
+
+
 def stack_layers(layers: list) -> QuantizedKVLayer | None:
     """One layer holding the sequences of several (batch rows in order) when they can share one: initialized
     quantized layers of one spec object (so one FP8 scale; no pre-RoPE keys) holding the same counts of sinks,
@@ -314,7 +317,7 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
     if not same or first.spec.rope:
         return None
     out = first.fork()
-    for name in ("sink_keys", "sink_values", "keys", "values"):
+    for name in _FULL_PRECISION:
         if getattr(first, name) is not None:
             setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
     out.stored = {part: {k: torch.cat([x.stored[part][k] for x in layers]) for k in first.stored[part]} for part in first.stored}
@@ -325,7 +328,7 @@ def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
     """A layer holding only the given batch rows of `layer` (which is not touched)."""
     index = torch.tensor(rows, device=layer.keys.device)
     out = layer.fork()
-    for name in ("sink_keys", "sink_values", "keys", "values"):
+    for name in _FULL_PRECISION:
         if getattr(layer, name) is not None:
             setattr(out, name, getattr(layer, name).index_select(0, index))
     out.stored = {part: {k: t.index_select(0, index) for k, t in d.items()} for part, d in layer.stored.items()}

@@ -8,6 +8,7 @@ import shutil
 
 import duckdb
 import pytest
+import torch
 
 from kvlab import kernel_bench
 from kvlab.report.build import build
@@ -18,8 +19,6 @@ SPEC = {"context_tokens": [100, 161], "batches": [1, 2], "group": 32, "residual"
 
 @pytest.fixture(scope="module")
 def rows():
-    import torch
-
     return kernel_bench.bench(CARD, SPEC, "cpu", torch.float32)
 
 
@@ -80,19 +79,15 @@ def test_command_line_for_a_bare_gpu_machine(tmp_path, capsys):
 
 
 def test_a_head_dim_the_kernel_cannot_read_is_refused_before_timing():
-    import torch
-
     with pytest.raises(ValueError, match="head_dim 96 has no Triton decode kernel; it reads power-of-two head dims"):
         kernel_bench.bench({**CARD, "head_dim": 96}, SPEC, "cpu", torch.float32)
 
 
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="device time comes from CUDA graph replays")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device time comes from CUDA graph replays")
 def test_on_cuda_device_time_leaves_the_host_out():
     """`ms` replays each call from a CUDA graph; `call_ms` calls it from Python. At toy sizes every path's
     kernels take microseconds and its host work (checks, allocations, two or more launches) takes longer, so
     the device time is the shorter of the two for most rows."""
-    import torch
-
     rows = kernel_bench.bench(CARD, {**SPEC, "repeats": 5}, "cuda", torch.bfloat16)
     assert (rows["ms"] > 0).all() and (rows["call_ms"] > 0).all()
     assert (rows["ms"] < rows["call_ms"]).mean() > 0.5

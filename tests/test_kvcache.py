@@ -182,11 +182,12 @@ def test_kvquant_outliers_and_sinks_are_kept_in_full_precision():
     assert not bool((worst == biggest).any())  # the largest entry of every vector is never the worst one
 
 
-@pytest.mark.parametrize("bad,message", [(float("nan"), "keys: 1 NaN/Inf"), (4e4, "values: .* exceeds what fp16 scales")])
-def test_bad_values_are_refused_before_storing(bad, message):
+@pytest.mark.parametrize("which,bad,message", [("keys", float("nan"), "keys: 1 NaN/Inf"),
+                                               ("values", 4e4, "values: .* exceeds what fp16 scales")])
+def test_bad_values_are_refused_before_storing(which, bad, message):
     layer = kvcache.QuantizedKVLayer(SPECS["kivi4"]())
     keys, values = random_kv(20)
-    (keys if bad != bad else values)[0, 0, 3, 3] = bad
+    {"keys": keys, "values": values}[which][0, 0, 3, 3] = bad
     with pytest.raises(ValueError, match=message):
         layer.update(keys, values)
     assert layer.quantized == 0 and layer.get_seq_length() == 0

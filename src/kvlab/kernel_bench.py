@@ -60,7 +60,8 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, float]:
             t0 = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(samples), statistics.median(samples)
+        wall = statistics.median(samples)
+        return wall, wall
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
