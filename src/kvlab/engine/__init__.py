@@ -1,0 +1,35 @@
+"""The evaluation engine: prefill a sample once with the full cache, compress a copy of that cache per
+variant, then decode every variant together as one batch.
+
+kvpress presses normally compress inside forward hooks during prefill. A press's ``compress`` only
+needs the layer's input hidden states, its keys/values and the RoPE tables, none of which compression
+changes within the same forward pass (each layer's attention output is computed before its hook runs).
+So we capture those per layer during one uncompressed prefill and call ``press.compress`` afterwards, per
+variant, on a copy — the same tensors kvpress's hook would see (tests/test_engine.py checks equality).
+
+Batching caches of different lengths: each layer's rows are right-padded to the longest row of that
+layer and every full-attention layer gets its own additive mask (a forward pre-hook swaps it in), which
+hides the padding and keeps the tail causal. Masked entries get exactly zero weight, so a row decodes
+as it would alone (tests/test_engine.py checks the predictions against one-variant-at-a-time runs).
+
+Modules, each using only those listed below it: `sample` (rows per question mode and turn), `decode` (greedy
+decoding, teacher forcing, divergence), `batch` (Rows and Batch), `compress` (a compressed copy, cache stats),
+`prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks), `model`
+(layers, sliding layers, projections, stop ids).
+"""
+
+from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
+from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries, own_layout
+from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
+from kvlab.engine.decode import divergence, greedy_decode, teacher_forced
+from kvlab.engine.model import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
+from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
+from kvlab.engine.sample import QUESTION_MODES, evaluate_sample
+
+__all__ = [
+    "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "Rows", "attention_layers", "cache_stats",
+    "capture", "compress", "decode_path", "decoder_layers", "divergence", "evaluate_sample", "greedy_decode",
+    "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries", "own_layout",
+    "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",
+    "stop_ids", "teacher_forced",
+]

@@ -1,0 +1,241 @@
+"""Many single-row caches of one prompt as one batch: dense layers right-padded with per-layer masks, layers of
+quantized or self-evicting rows as `Rows`."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.masking_utils import create_sliding_window_causal_mask
+
+from kvlab.engine.attention import per_layer_masks, query_hooks
+from kvlab.engine.compress import held_tokens
+from kvlab.engine.model import is_sliding
+from kvlab.engine.prefill import shallow_copy
+from kvlab.kernels import decode_attention, kvcache
+
+
+def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> torch.Tensor | None:
+    """(B, H_kv, width): the entries each row's press masked per KV head (AdaKV), left-aligned, False beyond
+    what a row holds; None when no row masks anything. `sizes`: the sequences each layer holds (default 1)."""
+    masks = [m for layer, n in zip(layers, sizes or [1] * len(layers)) for m in [getattr(layer, "masked", None)] * n]
+    if all(m is None for m in masks):
+        return None
+    ref = next(m for m in masks if m is not None)
+    out = torch.zeros(len(masks), ref.shape[1], width, dtype=torch.bool, device=ref.device)
+    for i, m in enumerate(masks):
+        if m is not None:
+            out[i, :, : m.shape[-1]] = m[0]
+    return out
+
+def decode_path(cache: DynamicCache, device) -> str:
+    """How decoding attends to this cache on `device`: 'triton codes' (the kernel reads the packed codes),
+    'dequantize' (quantized layers rebuilt in full precision at every step) or 'dense'."""
+    quantized = [layer for layer in cache.layers if kvcache.is_quantized(layer)]
+    if not quantized:
+        return "dense"
+    return "triton codes" if decode_attention.fused_rows(quantized, device) else "dequantize"
+
+
+def own_layout(layer) -> bool:
+    """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O: `own_layout`)."""
+    return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)
+
+
+def host_free_step(caches: list[DynamicCache], device) -> bool:
+    """Whether a one-token step of these caches decoded as one batch waits for nothing on the host, so that a
+    CUDA graph can capture it: every layer that `Batch` keeps per row (`Rows`) is read by the decode kernel;
+    dense layers never wait. H2O, KVQuant's keys, transformers' quantized caches and the dequantizing path
+    build per-row masks from host-side lengths."""
+    return all(decode_attention.fused_rows(rows, device) for rows in zip(*(c.layers for c in caches))
+               if any(own_layout(r) for r in rows))
+
+
+class Rows(DynamicLayer):
+    """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
+    concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
+    slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the
+    padding and keeps the new tokens causal. Rows are forked first; the original caches are never touched.
+    Quantized rows that can share one layer (one spec object, the same counts: copies of one compressed cache,
+    as the throughput benchmark decodes; see ``kvcache.stack_layers``) are stacked into one layer of that many
+    rows, updated and attended to at once."""
+
+    def __init__(self, rows: list):
+        super().__init__()
+        stacked = kvcache.stack_layers(rows)
+        self.rows = [stacked] if stacked is not None else [kvcache.fork_layer(r) for r in rows]
+        self.sizes = [len(rows)] if stacked is not None else [1] * len(rows)  # batch rows each layer holds
+        self.is_initialized = True
+        self.wants_query = any(getattr(r, "wants_query", False) for r in rows)
+        self.pending_query: torch.Tensor | None = None  # (B, Hq, n, D), handed to the rows that score attention
+
+    def slices(self):
+        """(layer, its batch rows as a slice) for every layer."""
+        start = 0
+        for row, n in zip(self.rows, self.sizes):
+            yield row, slice(start, start + n)
+            start += n
+
+    def held(self) -> list[int]:
+        return [r.get_seq_length() for r, n in zip(self.rows, self.sizes) for _ in range(n)]
+
+    def mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
+        """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1.
+        Where a row's press masked entries per KV head (AdaKV), the mask is per query head (B, H_q, n, kv) and
+        hides them too (a dense row's entries sit at positions 0…held-1, so its mask applies as it is)."""
+        held = torch.tensor(self.held(), device=device)
+        j = torch.arange(int(held.max()) + n, device=device)
+        allowed = (j[None, None, :] <= held[:, None, None] + torch.arange(n, device=device)[None, :, None])[:, None]
+        hidden = masked_entries(self.rows, j.numel(), self.sizes)
+        if hidden is not None:
+            allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    def fused(self, n: int, device) -> bool:
+        """Whether feeding `n` tokens is a one-token step over rows that are all quantized in a format the
+        decode kernel reads: attention then reads each row's codes (see sdpa_gqa) and needs no mask."""
+        return n == 1 and decode_attention.fused_rows(self.rows, device)
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        b, h, n, d = key_states.shape
+        if self.fused(n, key_states.device):  # store the token; attention reads each row's codes (see sdpa_gqa)
+            steps = []
+            for row, rows in self.slices():
+                k, v = key_states[rows], value_states[rows]
+                before = kvcache.fork_layer(row)
+                row.append(k, v)
+                # The new token's query sees the codes, and every other token in full precision: the row itself
+                # when the append only grew its residual (no copy of it), else the row as it was, plus the token.
+                steps.append((row, None, None) if row.quantized == before.quantized else (before, k, v))
+            key_states = key_states.view_as(key_states)
+            key_states.fused = steps
+            return key_states, value_states
+        keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
+        values = torch.zeros_like(keys)
+        for row, rows in self.slices():
+            kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            if getattr(row, "wants_query", False):
+                row.pending_query = self.pending_query[rows]
+            k, v = row.update(key_states[rows], value_states[rows], kw)
+            keys[rows, :, : k.shape[-2]], values[rows, :, : v.shape[-2]] = k, v
+        self.pending_query = None
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return max(self.held())
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep these batch rows (ascending), dropping the others."""
+        kept, sizes = [], []
+        for layer, span in self.slices():
+            local = [r - span.start for r in rows if span.start <= r < span.stop]
+            if local:
+                kept.append(layer if len(local) == span.stop - span.start else kvcache.select_rows(layer, local))
+                sizes.append(len(local))
+        self.rows, self.sizes = kept, sizes
+
+
+class Batch:
+    """Several single-row caches of the same prompt as one batched cache, each layer right-padded to its
+    longest row; `lengths[layer][row]` is what that row really holds. Sliding layers are never compressed,
+    so they are equal across rows and need no padding. Layers where some row is quantized become `Rows`."""
+
+    def __init__(self, model, caches: list[DynamicCache]):
+        self.model = model
+        self.cache = shallow_copy(caches[0])
+        self.lengths: list[torch.Tensor] = []
+        self.padded: list[int] = []
+        self.masked: list[torch.Tensor | None] = []  # (B, H_kv, width): entries a masking press hides, per layer
+        self.padded_rows: list[bool] = []  # whether some row of a layer holds fewer entries than its width
+        for idx, layer in enumerate(self.cache.layers):
+            rows = [c.layers[idx] for c in caches]
+            n = [held_tokens(r) for r in rows]
+            width = max(n)
+            own = any(own_layout(r) for r in rows)
+            if own:
+                self.cache.layers[idx] = Rows(rows)
+            else:
+                layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
+                layer.values = torch.cat([_pad(r.values, width) for r in rows])
+            self.lengths.append(torch.tensor(n, device=model.device))
+            self.padded.append(width)
+            self.padded_rows.append(min(n) < width)  # dropping rows (keep) never adds padding
+            self.masked.append(None if own else masked_entries(rows, width))  # Rows mask their own rows
+        # position shift per row: re-rotated caches decode from their kept length, not the prompt's
+        self.shift = torch.tensor([getattr(c, "position_shift", 0) for c in caches], device=model.device)
+        self.fed = 0  # tail tokens appended since stacking
+        self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
+
+    @property
+    def size(self) -> int:
+        return len(self.lengths[0])
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop every other row (finished sequences stop costing compute)."""
+        index = torch.tensor(rows, device=self.lengths[0].device)
+        for idx, layer in enumerate(self.cache.layers):
+            if isinstance(layer, Rows):
+                layer.keep(rows)
+            else:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+            self.lengths[idx] = self.lengths[idx].index_select(0, index)
+            if self.masked[idx] is not None:
+                self.masked[idx] = self.masked[idx].index_select(0, index)
+        self.shift = self.shift.index_select(0, index)
+
+    def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
+        stored entries and the tail causally, never the padding. Where a press masked entries per KV head,
+        the mask is per query head (B, H_q, n, kv) and hides them too. None for a one-token step where it would
+        hide nothing (no padding, no masked entries): attention then runs without one, as a dense cache's decode
+        does in any server (with a mask SDPA cannot take its flash kernel, and building it is several launches
+        per layer and step)."""
+        if n == 1 and not self.padded_rows[idx] and self.masked[idx] is None:
+            return None
+        width, device = self.padded[idx], self.lengths[idx].device
+        kv = width + self.fed + n
+        j = torch.arange(kv, device=device)
+        stored = (j[None, :] < self.lengths[idx][:, None])[:, None, :]  # (B, 1, kv)
+        if self.masked[idx] is not None:
+            hidden = torch.nn.functional.pad(self.masked[idx], (0, kv - width))  # (B, H_kv, kv)
+            groups = self.model.config.get_text_config().num_attention_heads // hidden.shape[1]
+            stored = (stored & ~hidden).repeat_interleave(groups, dim=1)  # (B, H_q, kv)
+        tail_pos = j - width  # position of key j within the tail
+        query = self.fed + torch.arange(n, device=device)  # position of each query within the tail
+        causal = (tail_pos[None, :] >= 0) & (tail_pos[None, :] <= query[:, None])  # (n, kv)
+        allowed = stored[:, :, None, :] | causal[None, None, :, :]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1) -> torch.Tensor:
+        """Feed `ids` (B, n) at original positions start… (a re-rotated row: at its kept length, see `shift`);
+        return the last `logits_to_keep` logits."""
+        model, n = self.model, ids.shape[1]
+        pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
+        heads = model.config.get_text_config().num_attention_heads
+        masks = {
+            idx: (None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads))
+            if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
+            for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
+        }
+        layer_masks = {"full_attention": None}
+        if len(masks) < len(self.padded):
+            config = model.config.get_text_config()
+            embeds = torch.empty(ids.shape[0], n, config.hidden_size, dtype=model.dtype, device=ids.device)
+            layer_masks["sliding_attention"] = create_sliding_window_causal_mask(
+                config=config, inputs_embeds=embeds, attention_mask=None, cache_position=pos[0],
+                past_key_values=self.cache, position_ids=None,
+            )
+        with per_layer_masks(model, masks), query_hooks(model, self.cache):
+            out = model(
+                input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
+                use_cache=True, logits_to_keep=logits_to_keep,
+            )
+        self.fed += n
+        return out.logits
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[-2]))

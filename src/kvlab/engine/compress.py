@@ -1,0 +1,120 @@
+"""Compressing a copy of a prefilled cache per variant (press, own evictor, quantization) and what it then holds."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.engine.model import attention_layers, is_sliding, language_model
+from kvlab.engine.prefill import Prefilled, shallow_copy
+from kvlab.kernels import accounting, kvcache
+from kvlab.methods import EVICTORS, Variant, layer_budgets
+from kvlab.methods.quantized import layouts, quantize_layers
+
+
+@torch.no_grad()
+def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
+    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any) or by its own evictor
+    (`EVICTORS`: H2O's layers, which go on evicting while decoding), then quantized (if a quantized method).
+    For full, a copy sharing the base's tensors."""
+    cache = shallow_copy(base.cache)
+    press = variant.make_press()
+    sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
+    if press is not None:
+        press.post_init_from_model(model)
+        cache_position = torch.arange(base.length, device=model.device)
+        rotary = language_model(model).rotary_emb
+        weights = variant.params.get("layer_budgets")  # calibrated per-layer weights: one budget per layer
+        per_layer = layer_budgets(variant.budget, weights, sliding) if weights is not None else None
+        for idx, module in enumerate(attention_layers(model)):
+            if sliding[idx]:
+                continue
+            if per_layer is not None:
+                press.compression_ratio = 1.0 - per_layer[idx]
+            module.rotary_emb = rotary  # as kvpress's hooks set it (KeyRerotationPress reads it)
+            cap = base.captures[idx]
+            layer = cache.layers[idx]
+            kwargs = {
+                "hidden_states": cap.hidden_states,
+                "position_embeddings": (cap.cos, cap.sin),
+                "past_key_values": cache,
+                "cache_position": cache_position,
+            }
+            layer.keys, layer.values = press.compress(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
+            if getattr(module, "masked_key_indices", None) is not None:  # a press that masks keys, freeing nothing
+                batch, head, seq = module.masked_key_indices
+                module.masked_key_indices = None
+                if variant.kind != "kvpress":
+                    raise ValueError(f"method '{variant.method}': {variant.params['press']} masks keys instead of evicting them; "
+                                     "it cannot be composed with a quantized cache, use an evicting press (e.g. SnapKVPress)")
+                layer.masked = torch.zeros(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
+                layer.masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
+        if variant.rerotates:
+            rerotated(model, cache, variant, base.length)
+    if variant.kind in EVICTORS:
+        importlib.import_module(EVICTORS[variant.kind]).evict(model, cache, base, variant, sliding)
+    if variant.quantized:
+        quantize_layers(cache, {"kind": variant.kind, **variant.params}, sliding, base.captures)
+    return cache
+
+
+def rerotated(model, cache: DynamicCache, variant: Variant, context: int) -> None:
+    """Mark a cache whose kept keys were re-rotated to positions 0…n-1: its rows decode from position n (the
+    batch shifts their position ids by n - context). One position per row, so every layer must keep n."""
+    kept = {layer.keys.shape[-2] for layer in cache.layers}
+    if any(is_sliding(model, i) for i in range(len(cache.layers))):
+        raise ValueError(f"method '{variant.method}': KeyRerotationPress moves positions, which this model's uncompressed "
+                         "sliding-window layers cannot follow; remove the wrapper for this model")
+    if len(kept) != 1:
+        raise ValueError(f"method '{variant.method}': KeyRerotationPress needs the same kept count in every layer "
+                         f"(got {sorted(kept)}); per-layer budgets cannot share one decoding position")
+    cache.position_shift = kept.pop() - context
+
+def held_tokens(layer) -> int:
+    """Tokens a cache layer holds now (a sliding-window layer's get_seq_length counts every token it saw)."""
+    return layer.get_seq_length() if kvcache.is_quantized(layer) else layer.keys.shape[-2]
+
+
+def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
+    """What the cache really holds after compressing a `context`-token prefill: bytes of the stored tensors
+    (not the requested ratio), the accounting formula's bytes for what is held, and the compression against
+    the uncompressed context in bf16 (codes and metadata as stored; full-precision residual, sinks and dense
+    entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
+    nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
+    tokens, kept = [], []
+    for layer in cache.layers:
+        held = held_tokens(layer)
+        tokens.append(held)
+        measured = kvcache.layer_nbytes(layer)
+        nbytes += measured
+        quantized = getattr(layer, "_quantized_keys", None)
+        heads, d = (quantized if quantized is not None else layer.keys).shape[1::2]
+        masked = getattr(layer, "masked", None)
+        kept += [held - int(m) for m in masked[0].sum(-1)] if masked is not None else [held] * heads
+        token_bf16 = 2 * heads * d * 2
+        reference_bf16 += (held if getattr(layer, "is_sliding", False) else context) * token_bf16
+        dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
+        if isinstance(layer, kvcache.QuantizedKVLayer):
+            n = layer.counts()
+            key, value = layouts({"kind": variant.kind, **variant.params}, d)
+            dense_tokens = n["sink_tokens"] + n["residual_tokens"]
+            formula += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
+            stored_bf16 += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
+            code_bytes += measured - dense * layer.keys.element_size() - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size())
+            code_tokens_bf16 += n["quantized_tokens"] * token_bf16
+        elif quantized is not None:  # transformers' QuantizedCache layer: measured only
+            formula = float("nan")
+            stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2
+        else:
+            formula += measured
+            stored_bf16 += dense * 2
+    return {
+        "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
+        # tokens each (layer, KV head) attends to: below kv_tokens_mean only for presses that mask without freeing
+        "kv_kept_heads": kept, "kv_kept_mean": float(sum(kept) / len(kept)), "kv_kept_min": int(min(kept)),
+        "compression_vs_bf16": reference_bf16 / stored_bf16,
+        # the quantized tokens alone: bf16 bytes / their codes and metadata (the steady-state ratio)
+        "codes_vs_bf16": code_tokens_bf16 / code_bytes if code_bytes else float("nan"),
+    }

@@ -1,0 +1,81 @@
+"""Prefill with the full cache, capturing what a press's compress() reads per layer; the shallow cache copy."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from kvlab.engine.model import attention_layers
+
+
+@dataclass
+class LayerCapture:
+    """What a press's compress() reads for one layer: the attention input and RoPE tables."""
+
+    hidden_states: torch.Tensor  # (B, T, hidden)
+    cos: torch.Tensor  # (B, T, head_dim)
+    sin: torch.Tensor  # (B, T, head_dim)
+    attentions: torch.Tensor | None  # (B, H, T, T), only under eager attention
+
+    def extend(self, other: "LayerCapture") -> "LayerCapture":
+        """Concatenate a later chunk of the same sequence (attention maps are not concatenable)."""
+        return LayerCapture(
+            torch.cat([self.hidden_states, other.hidden_states], dim=1),
+            torch.cat([self.cos, other.cos], dim=1),
+            torch.cat([self.sin, other.sin], dim=1),
+            None,
+        )
+
+
+@contextmanager
+def capture(model, store: list):
+    """Record each attention layer's inputs during a forward pass into `store` (one entry per layer)."""
+    handles = []
+
+    def hook(module, args, kwargs, output):
+        cos, sin = kwargs["position_embeddings"]
+        store.append(LayerCapture(kwargs["hidden_states"].detach(), cos.detach(), sin.detach(), output[1]))
+
+    try:
+        for layer in attention_layers(model):
+            handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+        yield store
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class Prefilled:
+    """A prefilled prompt prefix: its cache, per-layer captures and length."""
+
+    cache: DynamicCache
+    captures: list[LayerCapture]
+    length: int
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
+    """Run `ids` through the model (continuing `past` if given) with the full cache, capturing inputs."""
+    device = model.device
+    cache = shallow_copy(past.cache) if past else DynamicCache(config=model.config)
+    start = past.length if past else 0
+    store: list[LayerCapture] = []
+    x = torch.tensor([ids], device=device)
+    positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
+    with capture(model, store):
+        model.model(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True)
+    if past:
+        store = [a.extend(b) for a, b in zip(past.captures, store)]
+    return Prefilled(cache, store, start + len(ids))
+
+def shallow_copy(cache: DynamicCache) -> DynamicCache:
+    """A cache whose layers can be reassigned without touching `cache`; the tensors are shared, which is
+    safe because neither presses nor DynamicCache updates write into existing tensors (both build new ones)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
