@@ -1,5 +1,6 @@
 """The engine compresses a copy of a shared prefill; it must equal kvpress compressing inside its hooks."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -502,3 +503,69 @@ def test_calibrated_layer_budgets_keep_more_where_the_weight_is_higher(tiny, sam
     cache = compress(model, base, Variant("snap_cal", "kvpress", 0.25, spec))
     kept = [layer.keys.shape[-2] for layer in cache.layers]
     assert kept == [int(base.length * 0.125), int(base.length * 0.375)]
+
+
+VERIFY_METHODS = {
+    "full": {"kind": "full"}, "snapkv": SNAP, "streaming": STREAM, "h2o": {"kind": "h2o", "recent": 0.5},
+    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 8, "key_axis": "channel",
+              "value_axis": "token"},
+    "int8": {"kind": "quant", "scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel",
+             "value_axis": "token"},
+}
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    """The tiny model with its matrices scaled up 15x: the random model at its own scale answers every prompt
+    with one token whatever the cache holds; this one's answers depend on what each cache kept."""
+    model = copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(15)
+    return model
+
+
+def verified_run(tokenizer, model, seed: int, budgets: list[float]) -> dict:
+    """Decode one sample's grid both ways and check verified_decode against decoding every row; return each
+    variant's first divergence."""
+    from kvlab.engine import first_divergence, teacher_forced, verified_decode
+
+    grid = variants(VERIFY_METHODS, budgets)
+    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
+    base = prefill(model, sample.prompt.context)
+    caches = [compress(model, base, v) for v in grid]
+    tail, ref = sample.prompt.question + sample.prompt.suffix, 0
+    every = greedy_decode(model, caches, tail, base.length, 12)
+    run = verified_decode(model, caches, ref, tail, base.length, 12)
+    assert run.answers == every
+    logp, choice = teacher_forced(model, caches, tail, every[ref], base.length)
+    torch.testing.assert_close(run.logp, logp)
+    assert run.first == first_divergence(choice, every[ref])
+    assert run.first[ref] is None  # the full row's parallel pass agrees with its own decoding (fp32)
+    assert all(every[i] == every[ref] for i, d in enumerate(run.first) if d is None)
+    diverged = [i for i, d in enumerate(run.first) if d is not None]
+    assert all(every[i][: run.first[i]] == every[ref][: run.first[i]] for i in diverged)
+    assert all(every[i][run.first[i]] != every[ref][run.first[i]] for i in diverged)
+    return {v.label: d for v, d in zip(grid, run.first)}
+
+
+def test_verified_decoding_gives_every_row_its_own_greedy_answer(tiny, sharp):
+    """verified_decode decodes only the rows that leave the full cache's answer; every row's answer is the one
+    decoding all rows step by step gives. The cases cover rows that never diverge, dense rows that diverge only
+    after a shared prefix (fed at once), and stepwise rows (quantized, H2O) that diverge."""
+    first = {}
+    for seed in (1, 2):
+        for budgets in ([0.5, 0.1], [0.9]):
+            for label, d in verified_run(tiny[1], sharp, seed, budgets).items():
+                first.setdefault(label, []).append(d)
+    assert any(d is None for label, ds in first.items() if label != "full" for d in ds)
+    assert any(d and d > 0 for d in first["snapkv@0.9"] + first["streaming@0.9"])
+    assert any(d is not None for d in first["kivi2"])
+
+
+def test_first_divergence_finds_the_first_other_choice():
+    from kvlab.engine import first_divergence
+
+    choice = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 2], [5, 6, 8]])
+    assert first_divergence(choice, [5, 6, 7]) == [None, 1, 0, 2]

@@ -64,6 +64,7 @@ def run_job(
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]
+    frame["diverged_at"] = frame["diverged_at"].astype("Int64")  # null where a row never left the full answer
     # The byte-accounting formula beside the measured bytes: for dense caches, the kept fraction of the
     # context at the run's dtype (what the budget asks for: presses that free nothing show up here); for
     # quantized caches the engine already wrote codes + metadata + residual for the tokens held.

@@ -6,7 +6,7 @@ import json
 import time
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import divergence, greedy_decode, teacher_forced
+from kvlab.engine.decode import divergence, greedy_decode, teacher_forced, verified_decode
 from kvlab.engine.prefill import prefill
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -69,15 +69,20 @@ def evaluate_sample(
         for number, (turn_tail, gold) in enumerate(turns, start=1):
             if number not in labelled:
                 continue
-            t0 = time.perf_counter()
-            decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
-            decode_s = time.perf_counter() - t0
-            path = p.reference if (p.reference and number == 1) else decoded[ref]
-            t0 = time.perf_counter()
-            div = [{} for _ in variants]
-            if kl and path:
-                div = divergence(teacher_forced(model, caches, turn_tail, path, base.length), path, ref)
-            tf_s = time.perf_counter() - t0
+            div, first = [{} for _ in variants], [None] * len(variants)
+            if sample.metric != "none" and not (p.reference and number == 1):  # KL along the full cache's answer
+                run = verified_decode(model, caches, ref, turn_tail, base.length, max_new_tokens)
+                decoded, decode_s, tf_s, first = run.answers, run.decode_s, run.teacher_forced_s, run.first
+                if kl and decoded[ref]:
+                    div = divergence(run.logp, decoded[ref], ref)
+            else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
+                t0 = time.perf_counter()
+                decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
+                decode_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                if kl and p.reference:
+                    div = divergence(teacher_forced(model, caches, turn_tail, p.reference, base.length)[0], p.reference, ref)
+                tf_s = time.perf_counter() - t0
             for i, variant in enumerate(variants):
                 prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
                 row = {
@@ -103,6 +108,10 @@ def evaluate_sample(
                     "decode_batch": len(variants),
                     "teacher_forced_s": tf_s,
                     "new_tokens": len(decoded[i]),
+                    # where the row's greedy choice first left the full cache's answer (None: never, so its
+                    # answer is the full cache's; on the full row itself, a near-tie between its parallel and
+                    # its step-by-step pass: the numerical noise floor)
+                    "diverged_at": first[i],
                 }
                 rows += [{**row, "question_mode": mode} for mode in labelled[number]]
     return rows
