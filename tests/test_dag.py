@@ -1,6 +1,7 @@
 """The whole workflow on the tiny model in a temp directory: every rule runs, rows land in DuckDB,
 the report is written, and a second run has nothing to do."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,14 @@ def test_report_written_from_the_run(smoke_run):
     page = (smoke_run / "results" / "report.html").read_text()
     assert "tiny-qwen2" in page and "<svg" in page
     assert "327,680" in page and "42,949,672,960" in page  # the article's cost table, recomputed
+
+
+def test_evaluate_logs_show_progress_per_sample(smoke_run):
+    """Each evaluate job logs a line per sample: samples done of all, rows, rows per second, time left."""
+    log = (smoke_run / "logs" / "evaluate" / "tiny-qwen2" / "niah_single" / "512.log").read_text()
+    lines = re.findall(r"sample (\d+)/(\d+): (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, ~\d+ s left", log)
+    assert [(int(a), int(b)) for a, b, _ in lines] == [(1, 2), (2, 2)]
+    assert int(lines[0][2]) < int(lines[1][2])
 
 
 def test_second_run_has_nothing_to_do(smoke_run):

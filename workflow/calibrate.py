@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from kvlab.hardware import compute_dtype
 from kvlab.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821
@@ -11,6 +12,6 @@ from kvlab.calibrate import run_job  # noqa: E402
 run_job(
     model_dir=snakemake.input.model_dir,  # noqa: F821
     spec=snakemake.params.spec,  # noqa: F821
-    run=dict(snakemake.params.run, threads=snakemake.threads),  # noqa: F821
+    run=dict(snakemake.params.run, threads=snakemake.threads, dtype=compute_dtype(snakemake.params.run["dtype"], snakemake.params.run["device"])),  # noqa: F821
     out_dir=Path(snakemake.output.tables[0]).parent,  # noqa: F821
 )

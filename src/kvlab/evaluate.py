@@ -38,6 +38,13 @@ def load_model(model_dir: str | Path, dtype: str, device: str):
     return model, tokenizer
 
 
+def progress(done: int, total: int, rows: int, elapsed: float) -> str:
+    """One progress line for the job's log: samples done, rows, rows per second and time left."""
+    left = elapsed / done * (total - done)
+    return (f"sample {done}/{total}: {rows} rows, {rows / elapsed:.2f} rows/s, {elapsed:.0f} s elapsed, "
+            f"~{left:.0f} s left")
+
+
 def run_job(
     model_dir: str | Path,
     task: str,
@@ -59,8 +66,11 @@ def run_job(
     log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
     rows = []
     t0 = time.perf_counter()
-    for sample in tqdm(samples, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample"):
-        rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], max_new_tokens))
+    with tqdm(samples, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
+        for done, sample in enumerate(bar, start=1):
+            rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], max_new_tokens))
+            bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}", refresh=False)
+            log.info("%s", progress(done, len(samples), len(rows), time.perf_counter() - t0))
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]

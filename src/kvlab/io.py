@@ -51,11 +51,14 @@ def log_to(path: str | Path | None) -> None:
 
 
 def run_settings(smk) -> dict:
-    """A measuring job's `run` dict: the rule's params, its threads, and methods with calibrated values
-    filled in from the job's calibration input (when it has one)."""
+    """A measuring job's `run` dict: the rule's params, its threads, `dtype: auto` resolved on the machine that
+    runs the job (kvlab.hardware.compute_dtype), and methods with calibrated values filled in from the job's
+    calibration input (when it has one)."""
+    from kvlab.hardware import compute_dtype
     from kvlab.methods import with_calibration
 
     run = dict(smk.params.run, threads=smk.threads)
+    run["dtype"] = compute_dtype(run["dtype"], run["device"])
     calibration = list(smk.input.get("calibration", []))
     if calibration:
         run["methods"] = with_calibration(run["methods"], Path(calibration[0]).parent)

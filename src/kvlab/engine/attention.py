@@ -6,6 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch.profiler import record_function
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -16,6 +17,7 @@ from kvlab.kernels import decode_attention
 ATTENTION = "kvlab_sdpa_gqa"
 
 
+@record_function("kvlab.attention")
 def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' SDPA attention, but grouped-query heads share their K/V inside the kernel even when a
     mask is given. transformers' own `sdpa` copies every cached K/V head to each query head it serves

@@ -4,6 +4,7 @@ quantized or self-evicting rows as `Rows`."""
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.masking_utils import create_sliding_window_causal_mask
@@ -13,6 +14,7 @@ from kvlab.engine.compress import held_tokens
 from kvlab.engine.model import is_sliding
 from kvlab.engine.prefill import shallow_copy
 from kvlab.kernels import decode_attention, kvcache
+from kvlab.kernels import stream as kvstream
 
 
 def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> torch.Tensor | None:
@@ -68,6 +70,7 @@ class Rows(DynamicLayer):
         self.is_initialized = True
         self.wants_query = any(getattr(r, "wants_query", False) for r in rows)
         self.pending_query: torch.Tensor | None = None  # (B, Hq, n, D), handed to the rows that score attention
+        self.streaming = False  # set by Batch.forward(stream=True): a chunk read as if fed one token at a time
 
     def slices(self):
         """(layer, its batch rows as a slice) for every layer."""
@@ -79,6 +82,7 @@ class Rows(DynamicLayer):
     def held(self) -> list[int]:
         return [r.get_seq_length() for r, n in zip(self.rows, self.sizes) for _ in range(n)]
 
+    @record_function("kvlab.masks")
     def mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
         """Additive mask (B, 1, n, kv) for feeding `n` more tokens: row r's query q sees its first held + q + 1.
         Where a row's press masked entries per KV head (AdaKV), the mask is per query head (B, H_q, n, kv) and
@@ -91,11 +95,32 @@ class Rows(DynamicLayer):
             allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
         return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
+    def streamable(self) -> bool:
+        """Whether a chunk of tokens can be fed to every row in one pass as if one at a time: each row is its own
+        layer (not stacked) and is quantized with complete sinks (kernels/stream.py) or dense and self-contained
+        (H2O rows, which score attention at every step, and transformers' quantized layers cannot)."""
+        return all(n == 1 for n in self.sizes) and all(
+            kvstream.streamable(r) or (type(r) is DynamicLayer and not getattr(r, "wants_query", False)) for r in self.rows)
+
+    @record_function("kvlab.masks")
+    def stream_mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
+        """Additive mask (B, 1, n, width) over the keys `update` returns while streaming: per row, the entries of
+        ``stream.visibility`` (quantized rows: each token seen quantized or not as its single step would see it),
+        padding hidden; a press's masked entries (AdaKV, dense rows) hidden per query head."""
+        rows = [kvstream.visibility(r, n, device) for r in self.rows]
+        width = max(v.shape[-1] for v in rows)
+        allowed = torch.stack([torch.nn.functional.pad(v, (0, width - v.shape[-1])) for v in rows])[:, None]
+        hidden = masked_entries(self.rows, width)
+        if hidden is not None:
+            allowed = allowed & ~hidden.repeat_interleave(query_heads // hidden.shape[1], dim=1)[:, :, None, :]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
     def fused(self, n: int, device) -> bool:
         """Whether feeding `n` tokens is a one-token step over rows that are all quantized in a format the
         decode kernel reads: attention then reads each row's codes (see sdpa_gqa) and needs no mask."""
         return n == 1 and decode_attention.fused_rows(self.rows, device)
 
+    @record_function("kvlab.rows_update")
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
         if self.fused(n, key_states.device):  # store the token; attention reads each row's codes (see sdpa_gqa)
@@ -110,6 +135,8 @@ class Rows(DynamicLayer):
             key_states = key_states.view_as(key_states)
             key_states.fused = steps
             return key_states, value_states
+        if self.streaming and n > 1:
+            return self._stream(key_states, value_states, cache_kwargs)
         keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
         values = torch.zeros_like(keys)
         for row, rows in self.slices():
@@ -120,6 +147,16 @@ class Rows(DynamicLayer):
             keys[rows, :, : k.shape[-2]], values[rows, :, : v.shape[-2]] = k, v
         self.pending_query = None
         return keys, values
+
+    def _stream(self, key_states, value_states, cache_kwargs):
+        """Feed a chunk to every row as if one token at a time (see `stream_mask`); keys right-padded."""
+        parts = []
+        for row, rows in self.slices():
+            kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            update = kvstream.stream_update if isinstance(row, kvcache.QuantizedKVLayer) else type(row).update
+            parts.append(update(row, key_states[rows], value_states[rows], kw))
+        width = max(k.shape[-2] for k, _ in parts)
+        return torch.cat([_pad(k, width) for k, _ in parts]), torch.cat([_pad(v, width) for _, v in parts])
 
     def get_seq_length(self) -> int:
         return max(self.held())
@@ -184,6 +221,7 @@ class Batch:
                 self.masked[idx] = self.masked[idx].index_select(0, index)
         self.shift = self.shift.index_select(0, index)
 
+    @record_function("kvlab.masks")
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
         """Additive mask (B, 1, n, kv) for layer `idx` when feeding `n` more tokens: each row sees its own
         stored entries and the tail causally, never the padding. Where a press masked entries per KV head,
@@ -209,17 +247,35 @@ class Batch:
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     @torch.no_grad()
-    def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1) -> torch.Tensor:
+    @record_function("kvlab.forward")
+    def streamable(self) -> bool:
+        """Whether `forward(..., stream=True)` can feed these rows (see `Rows.streamable`)."""
+        return all(layer.streamable() for layer in self.cache.layers if isinstance(layer, Rows))
+
+    def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1, stream: bool = False) -> torch.Tensor:
         """Feed `ids` (B, n) at original positions start… (a re-rotated row: at its kept length, see `shift`);
-        return the last `logits_to_keep` logits."""
+        return the last `logits_to_keep` logits. With `stream`, rows of `Rows` layers read the chunk exactly as if
+        it were fed one token at a time (teacher forcing a known path in one pass; needs `streamable`); without
+        it, a chunk attends to itself in full precision, as a prefill does."""
         model, n = self.model, ids.shape[1]
+        rows = [layer for layer in self.cache.layers if isinstance(layer, Rows)]
+        if stream and not self.streamable():
+            raise ValueError("stream=True: some row cannot be fed as if one token at a time (H2O, transformers' "
+                             "quantized layers, stacked copies or incomplete sinks); feed it one token per call")
         pos = torch.arange(start, start + n, device=ids.device)[None, :] + self.shift[:, None]
         heads = model.config.get_text_config().num_attention_heads
+
+        def rows_mask(layer):
+            if stream and n > 1:
+                return layer.stream_mask(n, model.dtype, ids.device, heads)
+            return None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads)
+
         masks = {
-            idx: (None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads))
-            if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
+            idx: rows_mask(layer) if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
         }
+        for layer in rows:
+            layer.streaming = stream
         layer_masks = {"full_attention": None}
         if len(masks) < len(self.padded):
             config = model.config.get_text_config()
@@ -228,11 +284,15 @@ class Batch:
                 config=config, inputs_embeds=embeds, attention_mask=None, cache_position=pos[0],
                 past_key_values=self.cache, position_ids=None,
             )
-        with per_layer_masks(model, masks), query_hooks(model, self.cache):
-            out = model(
-                input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
-                use_cache=True, logits_to_keep=logits_to_keep,
-            )
+        try:
+            with per_layer_masks(model, masks), query_hooks(model, self.cache):
+                out = model(
+                    input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
+                    use_cache=True, logits_to_keep=logits_to_keep,
+                )
+        finally:
+            for layer in rows:
+                layer.streaming = False
         self.fed += n
         return out.logits
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.model import attention_layers, is_sliding, language_model
@@ -15,6 +16,7 @@ from kvlab.methods.quantized import layouts, quantize_layers
 
 
 @torch.no_grad()
+@record_function("kvlab.compress")
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     """A compressed copy of `base.cache` for `variant`: evicted by its press (if any) or by its own evictor
     (`EVICTORS`: H2O's layers, which go on evicting while decoding), then quantized (if a quantized method).
@@ -77,6 +79,7 @@ def held_tokens(layer) -> int:
     return layer.get_seq_length() if kvcache.is_quantized(layer) else layer.keys.shape[-2]
 
 
+@record_function("kvlab.cache_stats")
 def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     """What the cache really holds after compressing a `context`-token prefill: bytes of the stored tensors
     (not the requested ratio), the accounting formula's bytes for what is held, and the compression against

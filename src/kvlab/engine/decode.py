@@ -7,13 +7,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.batch import Batch, own_layout
 from kvlab.engine.model import stop_ids
+from kvlab.kernels import stream as kvstream
 
 
 @torch.no_grad()
+@record_function("kvlab.greedy_decode")
 def greedy_decode(
     model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int, stop: bool = True
 ) -> list[list[int]]:
@@ -53,28 +56,43 @@ def stepwise(cache: DynamicCache) -> bool:
     return any(own_layout(layer) for layer in cache.layers)
 
 
+def streams(cache: DynamicCache) -> bool:
+    """Whether a stepwise cache can still be teacher-forced in one pass, read as if fed token by token: every
+    layer that must be fed one token at a time is a kvlab quantized layer (kernels/stream.py)."""
+    return all(kvstream.streamable(layer) for layer in cache.layers if own_layout(layer))
+
+
 @torch.no_grad()
+@record_function("kvlab.teacher_forced")
 def teacher_forced(
-    model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int
+    model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
     `path` are fed after its cache, and each row's greedy choice (B, len(path)) at every position (the argmax of
-    the raw logits, as decoding takes it). Dense caches take one forward pass for all tokens; quantized ones and those
-    that evict while decoding (H2O, see `own_layout`) are fed the path one token at a time, as in decoding, so
-    each token sees earlier ones as the cache stores them (quantized once they leave the residual window)."""
+    the raw logits, as decoding takes it). Dense caches take one forward pass for all tokens. Quantized caches
+    must see each token as decoding would (earlier tokens quantized once they leave the residual window): they
+    take the tail, then the path in one pass that reads it as if fed one token at a time (`stream`; tested equal
+    to feeding it so). Caches that evict while decoding (H2O, see `own_layout`) and transformers' quantized
+    caches, or every stepwise cache with `stream` false, are fed the path one token at a time."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
-    quantized = [stepwise(c) for c in caches]
+    how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
     out = choice = None
-    for group in ([i for i, q in enumerate(quantized) if not q], [i for i, q in enumerate(quantized) if q]):
+    for kind in ("dense", "stream", "steps"):
+        group = [i for i, h in enumerate(how) if h == kind]
         if not group:
             continue
         batch = Batch(model, [caches[i] for i in group])
         ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
-        if not batch.stepwise:
+        first = len(tail)  # the tail's last logits predict path[0]
+        if kind == "dense":
             logits = batch.forward(ids, start, logits_to_keep=len(path))
+        elif kind == "stream":  # the tail as a prefill chunk (as decoding feeds it), then the path in one pass
+            steps = [batch.forward(ids[:, :first], start)]
+            if ids.shape[1] > first:
+                steps.append(batch.forward(ids[:, first:], start + first, logits_to_keep=ids.shape[1] - first, stream=True))
+            logits = torch.cat(steps, dim=1)
         else:
-            first = len(tail)  # the tail's last logits predict path[0]
             steps = [batch.forward(ids[:, :first], start)]
             steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first, ids.shape[1])]
             logits = torch.cat(steps, dim=1)
@@ -122,7 +140,8 @@ def verified_decode(
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column)."""
     t0 = time.perf_counter()
-    (path,) = greedy_decode(model, [caches[ref]], tail, start, max_new_tokens)
+    with record_function("kvlab.decode_reference"):
+        (path,) = greedy_decode(model, [caches[ref]], tail, start, max_new_tokens)
     t1 = time.perf_counter()
     logp, choice = teacher_forced(model, caches, tail, path, start)
     first = first_divergence(choice, path)
@@ -134,12 +153,14 @@ def verified_decode(
     for group, shared in ((dense, min((first[i] for i in dense), default=0)), (steps, 0)):
         if group:
             prefix = path[:shared]
-            rest = greedy_decode(model, [caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)
+            with record_function("kvlab.decode_diverged"):
+                rest = greedy_decode(model, [caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)
             for i, answer in zip(group, rest):
                 out[i] = prefix + answer
     return Verified(out, logp, first, t1 - t0 + time.perf_counter() - t2, t2 - t1)
 
 
+@record_function("kvlab.divergence")
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""
     p_ref = logp[ref].exp()

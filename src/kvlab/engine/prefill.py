@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.model import attention_layers
@@ -59,6 +60,7 @@ class Prefilled:
 
 
 @torch.no_grad()
+@record_function("kvlab.prefill")
 def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
     """Run `ids` through the model (continuing `past` if given) with the full cache, capturing inputs."""
     device = model.device

@@ -1,0 +1,96 @@
+"""Seconds per scored row of one evaluation job, for comparing two commits side by side on one machine.
+
+    python -m kvlab.bench_eval --model-dir resources/models/qwen2.5-0.5b \
+        --calibration results/calibration/qwen2.5-0.5b --task variable_tracking --ctx 1024 \
+        --label new --out results/bench/eval/new.parquet
+
+runs the evaluate job of `config.yaml` (after its preset) for that task and context length exactly as the
+pipeline does (`kvlab.evaluate.run_job`), writes its rows beside `--out` (`*.rows.parquet`) and one summary
+row to `--out`: rows, samples, wall seconds, seconds per row, and the job's prefill / compress / decode /
+teacher-forced seconds. It uses only interfaces older commits have too, so the same file run by an older
+checkout's Python (`/path/to/old/.venv/bin/python -P src/kvlab/bench_eval.py ...`; `-P` keeps
+the script's folder, which holds a module named `io`, off sys.path) times that checkout's engine
+on the same config: the A/B of the speed issue (`--samples` overrides the task's sample count on both sides).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from kvlab.config import resolve
+from kvlab.evaluate import run_job
+from kvlab.methods import runs_on, with_calibration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict, dict]:
+    """The task's spec and the `run` dict the evaluate rule would hand this job (the config validated against this
+    checkout's schema)."""
+    config = yaml.safe_load(config_path.read_text())
+    if preset:
+        config["preset"] = preset
+    config = resolve(config, ROOT / "workflow" / "config.schema.yaml")
+    methods = {name: m for name, m in config["methods"].items() if runs_on(m, task)}
+    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "dtype", "device", "threads")}
+    return config["tasks"][task], {"methods": methods, **run}
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--calibration", help="the model's calibration folder (for methods that read it)")
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--ctx", type=int, required=True)
+    ap.add_argument("--samples", type=int, help="override the task's samples (same value on both sides of an A/B)")
+    ap.add_argument("--config", default=str(ROOT / "config.yaml"))
+    ap.add_argument("--preset")
+    ap.add_argument("--dtype", help="force the compute dtype (give the same on both sides of an A/B; default: the "
+                    "config's, `auto` resolved here)")
+    ap.add_argument("--label", required=True, help="what is timed, e.g. a commit")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    spec, run = job_settings(Path(args.config), args.task, args.preset)
+    if args.ctx not in spec["context_tokens"]:
+        ap.error(f"--ctx {args.ctx}: task '{args.task}' runs at {spec['context_tokens']}")
+    if args.samples:
+        spec = {**spec, "samples": args.samples}
+    if args.dtype:
+        run["dtype"] = args.dtype
+    else:
+        from kvlab.hardware import compute_dtype
+
+        run["dtype"] = compute_dtype(run["dtype"], run["device"])
+    if args.calibration:
+        run["methods"] = with_calibration(run["methods"], args.calibration)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = run_job(args.model_dir, args.task, spec, args.ctx, run, out.with_suffix(".rows.parquet"))
+    wall = time.perf_counter() - t0
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__import__("kvlab").__file__).parent,
+                            capture_output=True, text=True).stdout.strip()
+    # per compression: prefill, compress (summed over variants) and decode / teacher forcing (once per turn)
+    per_turn = rows.drop_duplicates(["sample_id", "question_mode", "turn"]) if "sample_id" in rows else rows
+    summary = pd.DataFrame([{
+        "label": args.label, "commit": commit, "task": args.task, "context_tokens": args.ctx,
+        "samples": int(rows["sample_id"].nunique()) if "sample_id" in rows else None, "rows": len(rows),
+        "wall_s": wall, "s_per_row": wall / len(rows),
+        "decode_s": float(per_turn["decode_s"].sum()), "teacher_forced_s": float(per_turn["teacher_forced_s"].sum()),
+        "compress_s": float(rows.drop_duplicates(["sample_id", "method", "budget", "question_mode"])["compress_s"].sum())
+        if "sample_id" in rows else None,
+        "dtype": run["dtype"], "threads": run["threads"],
+    }])
+    summary.to_parquet(out, index=False)
+    print(summary.to_string(index=False))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

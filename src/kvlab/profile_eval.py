@@ -1,0 +1,120 @@
+"""Where an evaluation job's time goes: one job of `config.yaml` (or its first samples) under torch's profiler.
+
+    python -m kvlab.profile_eval --model-dir resources/models/qwen2.5-0.5b \
+        --calibration results/calibration/qwen2.5-0.5b --task variable_tracking --ctx 1024 --samples 1 \
+        --out results/profile/variable_tracking-1024.parquet
+
+The engine marks its phases with `torch.profiler.record_function` (`kvlab.*`; free when no profiler runs).
+One row per phase or operator class: its seconds (inclusive for phases, self time for operators), calls and
+share of the profiled wall time.
+
+- phases: prefill, compress, cache_stats, decode_reference (the full cache's answer), decode_diverged (rows
+  that leave it), teacher_forced (one pass along it), divergence (KL), and within decoding: forward (the
+  model's step), masks, attention, rows_update (quantized and H2O rows: per-row Python, quantizing and
+  dequantizing);
+- operators: matmul (linear / mm / addmm / bmm self time), sdpa, host_sync (`item` / `_local_scalar_dense`:
+  the host waiting for a value), and all the other operators' self time;
+- python_and_rest: wall time not spent inside any operator (interpreter, tokenizer, scoring).
+
+The profiler adds a few microseconds per operator, so shares matter more than absolute seconds; the
+`wall_s` row is the same job without the profiler, for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvlab.bench_eval import job_settings
+from kvlab.engine import evaluate_sample
+from kvlab.evaluate import load_model
+from kvlab.hardware import compute_dtype
+from kvlab.io import write_parquet
+from kvlab.methods import variants, with_calibration
+from kvlab.tasks import GENERATORS
+
+PHASES = ["prefill", "compress", "cache_stats", "decode_reference", "decode_diverged", "teacher_forced",
+          "divergence", "forward", "masks", "attention", "rows_update"]
+OPERATORS = {
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
+             "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"),
+    "host_sync": ("aten::item", "aten::_local_scalar_dense"),
+}
+
+
+def profile_rows(events, wall: float) -> list[dict]:
+    """Rows of a profile from torch's `key_averages()`: phases inclusive, operator classes by self time."""
+    by_name = {e.key: e for e in events}
+    rows = []
+    for phase in PHASES:
+        e = by_name.get(f"kvlab.{phase}")
+        seconds = e.cpu_time_total / 1e6 if e else 0.0
+        rows.append({"kind": "phase", "name": phase, "seconds": seconds, "calls": e.count if e else 0})
+    ops = [e for e in events if not e.key.startswith("kvlab.")]
+    claimed = set()
+    for name, keys in OPERATORS.items():
+        sel = [e for e in ops if e.key in keys]
+        claimed.update(e.key for e in sel)
+        rows.append({"kind": "operator", "name": name, "seconds": sum(e.self_cpu_time_total for e in sel) / 1e6,
+                     "calls": sum(e.count for e in sel)})
+    rest = [e for e in ops if e.key not in claimed]
+    rows.append({"kind": "operator", "name": "other_operators", "seconds": sum(e.self_cpu_time_total for e in rest) / 1e6,
+                 "calls": sum(e.count for e in rest)})
+    in_ops = sum(r["seconds"] for r in rows if r["kind"] == "operator")
+    rows.append({"kind": "operator", "name": "python_and_rest", "seconds": max(wall - in_ops, 0.0), "calls": 0})
+    for r in rows:
+        r["share"] = r["seconds"] / wall
+    return rows
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--calibration", help="the model's calibration folder (for methods that read it)")
+    ap.add_argument("--task", required=True)
+    ap.add_argument("--ctx", type=int, required=True)
+    ap.add_argument("--samples", type=int, default=1, help="profile the task's first N samples")
+    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "config.yaml"))
+    ap.add_argument("--preset")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    spec, run = job_settings(Path(args.config), args.task, args.preset)
+    if args.calibration:
+        run["methods"] = with_calibration(run["methods"], args.calibration)
+    torch.set_num_threads(run["threads"])
+    dtype = compute_dtype(run["dtype"], run["device"])
+    model, tokenizer = load_model(args.model_dir, dtype, run["device"])
+    samples = GENERATORS[spec["kind"]](args.task, spec, tokenizer, args.ctx)[: args.samples]
+    grid = variants(run["methods"], run["budgets"], args.task)
+    max_new = spec.get("max_new_tokens", run["max_new_tokens"])
+
+    def job():
+        return [r for s in samples for r in evaluate_sample(model, tokenizer, s, grid, run["question_modes"], max_new)]
+
+    job()  # warm-up: first calls allocate and pick kernels
+    t0 = time.perf_counter()
+    rows = job()
+    plain = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        job()
+        wall = time.perf_counter() - t0
+    out = pd.DataFrame(profile_rows(prof.key_averages(), wall))
+    out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
+                                        {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
+                                         "share": 1.0}])], ignore_index=True)
+    out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), rows=len(rows), variants=len(grid),
+                     dtype=dtype, threads=run["threads"])
+    write_parquet(out, args.out)
+    print(out[["kind", "name", "seconds", "calls", "share"]].to_string(index=False))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The evaluation speed tools: `dtype: auto`, the profile of one job and the A/B timing of one job."""
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from conftest import ROOT
+from kvlab import hardware
+
+
+@pytest.mark.parametrize("amx,avx512,expected", [(True, False, "bfloat16"), (False, True, "bfloat16"),
+                                                  (False, False, "float32")])
+def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch, amx, avx512, expected):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512)
+    assert hardware.compute_dtype("auto", "cpu") == expected
+    assert hardware.compute_dtype("float32", "cpu") == "float32"  # a forced dtype is kept
+    assert hardware.compute_dtype("bfloat16", "cpu") == "bfloat16"
+
+
+def smoke_config(tmp_path, methods: list[str]) -> str:
+    """The repository's config with the smoke preset's methods cut to `methods` (none reads a calibration)."""
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    smoke = config["presets"]["smoke"]
+    smoke["methods"] = {name: smoke["methods"][name] for name in methods}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path):
+    from kvlab.profile_eval import main
+
+    config = smoke_config(tmp_path, ["full", "snapkv", "kivi2", "h2o"])
+    out = main(["--model-dir", str(tiny_dir), "--task", "niah_single", "--ctx", "512", "--preset", "smoke",
+                "--config", config, "--out", str(tmp_path / "p.parquet")])
+    assert out.equals(pd.read_parquet(tmp_path / "p.parquet"))
+    phases = out[out["kind"] == "phase"].set_index("name")
+    # one prefill per question mode's compression (context, then the question after it), every variant compressed
+    assert phases.loc["prefill", "calls"] == 2 and phases.loc["compress", "calls"] == 2 * out["variants"].iloc[0]
+    assert phases.loc["decode_reference", "calls"] == 2 and phases.loc["teacher_forced", "calls"] == 2
+    assert phases.loc["forward", "seconds"] > 0 and phases.loc["rows_update", "calls"] > 0  # quantized rows
+    wall = out.set_index("name").loc["profiled_wall_s", "seconds"]
+    assert (phases["seconds"] <= wall).all()
+    ops = out[out["kind"] == "operator"]
+    assert ops.set_index("name").loc["matmul", "seconds"] > 0
+
+
+def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):
+    from kvlab.bench_eval import main
+
+    summary = main(["--model-dir", str(tiny_dir), "--task", "recency", "--ctx", "512", "--preset", "smoke",
+                    "--config", smoke_config(tmp_path, ["full", "snapkv", "kivi2"]), "--label", "here",
+                    "--out", str(tmp_path / "b.parquet")])
+    rows = pd.read_parquet(tmp_path / "b.rows.parquet")
+    (row,) = summary.to_dict("records")
+    assert row["rows"] == len(rows) > 0 and row["s_per_row"] == pytest.approx(row["wall_s"] / len(rows))
+    assert row["label"] == "here" and row["dtype"] == "float32"  # the smoke preset forces fp32

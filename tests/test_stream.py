@@ -1,0 +1,97 @@
+"""A chunk fed to a quantized layer in one pass, read as if fed one token at a time (kvlab.kernels.stream):
+the same attention at every step, the same stored codes after, and the same teacher-forced log-probabilities
+through the engine."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from kvlab.engine import compress, prefill, teacher_forced
+from kvlab.kernels import kvcache, stream
+from kvlab.methods import variants
+from kvlab.methods.quantized import layer_spec
+from kvlab.tasks import GENERATORS
+from test_kvcache import SPECS, qspec, random_kv, rope_tables
+
+STREAM_SPECS = {
+    **SPECS,
+    "kivi4_r4_g8": lambda: layer_spec(qspec("kivi", residual=4, group=8), 0, 2, 16),
+    "kivi2_r0_g8": lambda: layer_spec(qspec("kivi", bits=2, residual=0, group=8), 0, 2, 16),
+}
+
+
+def attend(q, k, v, allowed):
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_SPECS))
+@pytest.mark.parametrize("prefilled,n", [(21, 30), (16, 1), (40, 17)])
+def test_one_pass_reads_each_token_as_its_own_step_would(name, prefilled, n):
+    spec = STREAM_SPECS[name]()
+    keys, values = random_kv(prefilled + n, seed=prefilled)
+    cos, sin = rope_tables(prefilled + n)
+    kw = lambda a, b: {"cos": cos[:, a:b], "sin": sin[:, a:b]} if spec.rope else None  # noqa: E731
+    layer = kvcache.layer_from_dense(keys[..., :prefilled, :], values[..., :prefilled, :], spec, *((cos[:, :prefilled], sin[:, :prefilled]) if spec.rope else ()))
+    assert stream.streamable(layer)
+    q = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(7))
+    stepped, expected = layer.fork(), []
+    for i in range(n):  # what decoding does: the view before the append, then the append
+        t = slice(prefilled + i, prefilled + i + 1)
+        k, v = stepped.update(keys[..., t, :], values[..., t, :], kw(t.start, t.stop))
+        expected.append(attend(q[..., i : i + 1, :], k, v, torch.ones(1, k.shape[-2], dtype=torch.bool)))
+    streamed = layer.fork()
+    allowed = stream.visibility(streamed, n, "cpu")
+    k, v = stream.stream_update(streamed, keys[..., prefilled:, :], values[..., prefilled:, :], kw(prefilled, prefilled + n))
+    assert allowed.shape == (n, k.shape[-2])
+    # the same sums over keys laid out in another order: float32 rounding (a wrong visibility is off by ~0.1)
+    torch.testing.assert_close(attend(q, k, v, allowed), torch.cat(expected, dim=-2), rtol=1e-5, atol=1e-5)
+    assert streamed.counts() == stepped.counts() and streamed.get_seq_length() == stepped.get_seq_length()
+    for part in ("key", "value"):  # the same codes, written once
+        for key, t in stepped.stored[part].items():
+            assert torch.equal(streamed.stored[part][key], t), (part, key)
+    assert torch.equal(streamed.keys, stepped.keys) and torch.equal(streamed.values, stepped.values)
+
+
+def test_visibility_of_a_per_token_scheme_is_the_quantized_past_and_the_own_token():
+    """INT8 (residual 0, every token quantized on entry): query i sees tokens < i quantized, itself in full."""
+    layer = kvcache.layer_from_dense(*random_kv(5), STREAM_SPECS["int8"]())
+    allowed = stream.visibility(layer, 3, "cpu")  # 5 codes | 3 new (full precision) | 3 quantized copies
+    assert allowed.tolist() == [
+        [True] * 5 + [True, False, False] + [False, False, False],
+        [True] * 5 + [False, True, False] + [True, False, False],
+        [True] * 5 + [False, False, True] + [True, True, False],
+    ]
+
+
+@pytest.fixture(scope="module")
+def sharp(tiny):
+    model = copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(15)
+    return model
+
+
+def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
+    """Through the engine: quantized rows (KIVI with flushes inside the path, INT8, FP8, SnapKV + KIVI; KVQuant,
+    which needs a calibration, is checked layer by layer above) and dense rows teacher-forced in one pass give the log-probabilities and greedy choices of
+    feeding the path one token at a time."""
+    methods = {
+        "full": {"kind": "full"},
+        "kivi4": qspec("kivi", residual=4, group=8), "int8": qspec("int8"), "fp8": qspec("fp8"),
+        "snap_kivi2": {**qspec("kivi", bits=2, residual=4, group=8), "press": "SnapKVPress", "kwargs": {"window_size": 16}},
+    }
+    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tiny[1], 500)
+    base = prefill(sharp, sample.prompt.context)
+    caches = [compress(sharp, base, v) for v in variants(methods, [0.5])]
+    tail = sample.prompt.question + sample.prompt.suffix
+    path = list(range(40, 70))  # 30 tokens: several KIVI groups flush inside the path
+    one_pass, choice = teacher_forced(sharp, caches, tail, path, base.length)
+    steps, step_choice = teacher_forced(sharp, caches, tail, path, base.length, stream=False)
+    torch.testing.assert_close(one_pass, steps, rtol=1e-4, atol=1e-4)
+    assert torch.equal(choice, step_choice)
