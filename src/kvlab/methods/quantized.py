@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from kvlab.io import read_parquet
 from kvlab.kernels import kvcache
 from kvlab.kernels.accounting import TensorCodes
 
@@ -38,7 +39,7 @@ def needs_calibration(spec: dict) -> bool:
 
 @lru_cache(maxsize=8)
 def _table(calibration_dir: str, name: str) -> pd.DataFrame:
-    return pd.read_parquet(Path(calibration_dir) / f"{name}.parquet")
+    return read_parquet(Path(calibration_dir) / f"{name}.parquet")
 
 
 def _fp8_scales(spec: dict, layer: int, tensor: str) -> torch.Tensor:
