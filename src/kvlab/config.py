@@ -307,3 +307,14 @@ def kvpress_press_names() -> set[str]:
         if isinstance(node, ast.ImportFrom):
             names.update(a.asname or a.name for a in node.names)
     return {n for n in names if n.endswith("Press")}
+
+
+if __name__ == "__main__":  # python -m kvlab.config FILE...: the strict read of config files, with line and column
+    import sys
+
+    try:
+        for arg in sys.argv[1:]:
+            check_yaml(arg)
+    except ConfigError as error:
+        sys.exit(f"kvlab config: {error}")
+    print(f"{len(sys.argv) - 1} file(s) read: no duplicate keys, no syntax errors")

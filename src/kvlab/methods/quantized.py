@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from kvlab.io import read_parquet
-from kvlab.kernels import kvcache
+from kvlab.kernels import kvcache, quant
 from kvlab.kernels.accounting import TensorCodes
 
 QUANT_KINDS = ("quant", "hf_quantized")
@@ -45,7 +45,8 @@ def _table(calibration_dir: str, name: str) -> pd.DataFrame:
 def _fp8_scales(spec: dict, layer: int, tensor: str) -> torch.Tensor:
     t = _table(spec["calibration"], "fp8_scales")
     rows = t[(t["layer"] == layer) & (t["tensor"] == tensor)].sort_values("kv_head")
-    return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(1e-12)
+    # a head calibration saw all zero keeps |x| up to FP8_MIN_PEAK, not a 1e-12 scale that saturates everything
+    return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(quant.FP8_MIN_PEAK / quant.FP8_MAX)
 
 
 def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
