@@ -209,7 +209,7 @@ class QuantizedKVLayer(DynamicLayer):
         self.sink_keys = self.sink_values = None
         self.stored: dict[str, dict[str, torch.Tensor]] = {"key": {}, "value": {}}
         self.quantized = 0  # tokens in codes
-        # (2,) device bools: NaN/Inf in keys / values of one-token appends since the last read (see append)
+        # () float32 on the device: the sum of the one-token appends since the last read, NaN/Inf iff they held one
         self._unread_nonfinite: torch.Tensor | None = None
         self.cumulative_length = 0
         # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
@@ -257,7 +257,7 @@ class QuantizedKVLayer(DynamicLayer):
         queueing launches, so a call reads at most once. A call that quantizes, or brings several tokens (a
         prefill, a chunk), checks all its tokens with that one read — a NaN entering the residual or the sinks
         there is refused at once. A one-token call that quantizes nothing (most decode steps) reads nothing: it
-        records on the device whether its tokens were finite, and the next read (the next quantizing call, at
+        records on the device a sum that a NaN/Inf makes non-finite, and the next read (the next quantizing call, at
         most ``group`` tokens later) refuses what entered. On the CPU the same rule holds (the same code)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -277,7 +277,7 @@ class QuantizedKVLayer(DynamicLayer):
             checks += [(f"quantized cache layer {what} entering full precision (sinks or residual)", new, False)
                        for _, new, what, _ in codecs]
             held = ((self.sink_keys, keys), (self.sink_values, values))  # where a one-token append's tokens are
-            entered = [] if unread is None else [(f"quantized cache layer {what}", unread[i], tuple(t for t in held[i] if t is not None))
+            entered = [] if unread is None else [(f"quantized cache layer {what}", unread, tuple(t for t in held[i] if t is not None))
                                                  for i, (_, _, what, _) in enumerate(codecs)]
             peaks = quant.check_input(*checks, entered=tuple(entered))
             if n and peaks is not None:
@@ -285,9 +285,10 @@ class QuantizedKVLayer(DynamicLayer):
                     if hasattr(codec, "check_first_peak"):
                         codec.check_first_peak(peak, f"quantized cache layer {what}")
             unread = None
-        elif not quant.capturing(key_states):  # a device flag, no read: refused at the next call that reads
-            flags = torch.stack([~torch.isfinite(key_states).all(), ~torch.isfinite(value_states).all()])
-            unread = flags if unread is None else unread | flags
+        elif not quant.capturing(key_states):  # no read: a device sum, not finite if a NaN/Inf entered, refused at
+            # the next call that reads (which counts them in the tensors held); 3-4 small launches
+            total = torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32)
+            unread = total if unread is None else unread + total
         self._unread_nonfinite = unread
         if self.spec.rope:
             cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
@@ -360,7 +361,7 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
             setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
     out.stored = {part: {k: torch.cat([x.stored[part][k] for x in layers]) for k in first.stored[part]} for part in first.stored}
     flags = [x._unread_nonfinite for x in layers if x._unread_nonfinite is not None]
-    out._unread_nonfinite = torch.stack(flags).any(0) if flags else None
+    out._unread_nonfinite = torch.stack(flags).sum() if flags else None
     return out
 
 

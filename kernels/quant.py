@@ -49,8 +49,9 @@ def check_input(*checks: tuple[str, torch.Tensor, bool],
                 entered: tuple[tuple[str, torch.Tensor, tuple[torch.Tensor, ...]], ...] = ()) -> list[float] | None:
     """A clear one-line error for tensors no quantizer can encode: each check is (what, tensor, fp16 metadata);
     NaN/Inf is refused, and where the tensor's codes get fp16 scales and zero points (affine), |x| beyond
-    ``FP16_MAX / 2``. ``entered``: (what, device bool, tensors holding them) flags that earlier calls raised without reading
-    them (a NaN/Inf that entered full precision then, see ``QuantizedKVLayer.append``), read in the same wait. On a GPU
+    ``FP16_MAX / 2``. ``entered``: (what, device scalar, tensors holding it) for earlier calls that did not read:
+    the scalar is not finite when a NaN/Inf entered full precision then (see ``QuantizedKVLayer.append``); it is
+    read in the same wait, and the first `what` whose tensors hold a NaN/Inf is named. On a GPU
     this waits for the data once for all of them (one peak |x| each: NaN and Inf show in it), so callers check
     what they are about to quantize, together, not every token they see. Returns the peaks (None when nothing
     was read). While a CUDA graph is being captured nothing can wait for data: only the dtypes are checked then."""
@@ -69,8 +70,8 @@ def check_input(*checks: tuple[str, torch.Tensor, bool],
         if fp16_metadata:
             check_fp16_range(peak, what)
     for (what, _, held), flag in zip(entered, read[len(checks):]):
-        if flag:
-            bad = sum(int((~torch.isfinite(t)).sum()) for t in held)
+        # the held tensors decide: a flag may also be set by what left them since (or, in bf16, a sum overflowing)
+        if not math.isfinite(flag) and (bad := sum(int((~torch.isfinite(t)).sum()) for t in held)):
             raise ValueError(f"{what}: {bad} NaN/Inf value(s) entered full precision in an earlier one-token append "
                              "(refused at this append's read of the data); KV entries must be finite")
     return peaks

@@ -246,6 +246,27 @@ def test_a_short_prefill_that_quantizes_nothing_is_checked_too():
     assert layer.get_seq_length() == 0
 
 
+def test_a_bad_decoded_value_survives_stacking_and_is_named():
+    """The device flag of one-token appends travels with stack_layers (copies decoded as one batch), and the
+    refusal names the tensor that holds the NaN."""
+    spec = SPECS["kivi4"]()
+    keys, values = random_kv(spec.residual + spec.group)
+    layers = []
+    for poisoned in (False, True):
+        layer = kvcache.QuantizedKVLayer(spec)
+        layer.update(keys[..., : spec.residual, :], values[..., : spec.residual, :])
+        v = values[..., spec.residual : spec.residual + 1, :].clone()
+        if poisoned:
+            v[0, 1, 0, 2] = float("nan")
+        layer.append(keys[..., spec.residual : spec.residual + 1, :], v)
+        layers.append(layer)
+    stacked = kvcache.stack_layers(layers)
+    for t in range(spec.residual + 1, spec.residual + spec.group - 1):
+        stacked.append(torch.cat([keys[..., t : t + 1, :]] * 2), torch.cat([values[..., t : t + 1, :]] * 2))
+    with pytest.raises(ValueError, match=r"^quantized cache layer values: 1 NaN/Inf value\(s\) entered full precision in an earlier one-token append"):
+        stacked.append(torch.cat([keys[..., -1:, :]] * 2), torch.cat([values[..., -1:, :]] * 2))
+
+
 def test_fp8_dynamic_scale_refuses_an_all_zero_prefill():
     """peak / 448 of an all-zero prefill was clamped to 1e-12: every later token then saturated at ±4.5e-10."""
     layer = kvcache.QuantizedKVLayer(SPECS["fp8_dynamic"]())
