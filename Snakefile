@@ -1,9 +1,17 @@
 # kvlab: which KV-cache compression is safe for which task — measured on real models.
 #   snakemake --cores 1 results/report.html                  (default preset)
 #   snakemake --cores 1 results/report.html --config preset=smoke
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
 
 min_version("9.0")
+
+from kvlab.config import ConfigError, check_config_files
+
+try:  # strict YAML (duplicate keys, syntax errors with file:line:column), before Snakemake merges the files
+    check_config_files("config.yaml", workflow.config_settings.configfiles)
+except ConfigError as error:
+    raise WorkflowError(f"kvlab config: {error}") from None
 
 
 configfile: "config.yaml"

@@ -101,14 +101,26 @@ class FP8Codec:
             return self.scales
         return self.dynamic.to(device, torch.float32).expand(heads)
 
+    def check_first_peak(self, peak: float, what: str) -> None:
+        """Refuse to set the dynamic scale from tokens that are all (nearly) zero: ``peak / 448`` would be a scale
+        so small that every later token saturates at ±448 × scale, i.e. is wiped out to about zero. Run by
+        ``QuantizedKVLayer.append`` with the peak its one read of the data already holds."""
+        if self.scales is None and self.dynamic is None and peak < quant.FP8_MIN_PEAK:
+            raise ValueError(
+                f"{what}: fp8 dynamic scale: the first tokens quantized peak at |x| = {peak:.3g} (below {quant.FP8_MIN_PEAK:.3g}), "
+                "too small to set the per-tensor scale from (later tokens would saturate); use scales: calibrated"
+            )
+
     def _row_scales(self, x: torch.Tensor) -> torch.Tensor:
         b, h, n, _ = x.shape
         if self.scales is None and self.dynamic is None:
-            self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(1e-12)
+            # The floor only binds where no read could run check_first_peak (a CUDA graph capture): it keeps
+            # |x| up to FP8_MIN_PEAK representable instead of a 1e-12 scale that saturates everything after.
+            self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(quant.FP8_MIN_PEAK / quant.FP8_MAX)
         return self.head_scales(h, x.device).view(1, h, 1).expand(b, h, n).reshape(-1)
 
     def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
-        codes = ops(x).fp8_quantize(x.reshape(-1, x.shape[-1]), self._row_scales(x))
+        codes = ops(x).fp8_quantize(x.reshape(-1, x.shape[-1]), self._row_scales(x), checked=True)
         return {"codes": codes.view(x.shape)}
 
     def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
@@ -155,7 +167,7 @@ class GridKeyCodec:
     def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
         centre, half = self._affine(x.device)
         v = (unrotate(x.float(), cos[:, None].float(), sin[:, None].float()) - centre) / half
-        out = {"codes": ops(x).grid_quantize(v.reshape(-1, v.shape[-1]), self.levels.to(x.device), self.bits).view(*v.shape[:3], -1)}
+        out = {"codes": ops(x).grid_quantize(v.reshape(-1, v.shape[-1]), self.levels.to(x.device), self.bits, checked=True).view(*v.shape[:3], -1)}
         if self.outliers:
             idx = v.abs().topk(self.outliers, dim=-1).indices
             out["outlier_index"] = idx.to(torch.uint8)
@@ -197,6 +209,8 @@ class QuantizedKVLayer(DynamicLayer):
         self.sink_keys = self.sink_values = None
         self.stored: dict[str, dict[str, torch.Tensor]] = {"key": {}, "value": {}}
         self.quantized = 0  # tokens in codes
+        # () float32 on the device: the sum of the one-token appends since the last read, NaN/Inf iff they held one
+        self._unread_nonfinite: torch.Tensor | None = None
         self.cumulative_length = 0
         # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
         # rotary cache, kept beside the cache and not counted as KV bytes.
@@ -236,9 +250,15 @@ class QuantizedKVLayer(DynamicLayer):
 
     def append(self, key_states, value_states, cache_kwargs: dict | None = None) -> None:
         """Store new tokens (residual, then complete groups into codes) without building the dequantized view:
-        the fused decode path (``decode_attention``) attends to the codes where they lie. The tokens this call
-        quantizes must be finite (checked before anything is stored); tokens that stay in full precision are
-        held as given, as a dense cache holds them, and checked when their group is quantized."""
+        the fused decode path (``decode_attention``) attends to the codes where they lie. Every token must be
+        finite, and the tokens this call quantizes within their codec's range; a failing call stores nothing.
+
+        When NaN/Inf is refused: checking reads the data back, which on a GPU is a wait that stops the host from
+        queueing launches, so a call reads at most once. A call that quantizes, or brings several tokens (a
+        prefill, a chunk), checks all its tokens with that one read — a NaN entering the residual or the sinks
+        there is refused at once. A one-token call that quantizes nothing (most decode steps) reads nothing: it
+        records on the device a sum that a NaN/Inf makes non-finite, and the next read (the next quantizing call, at
+        most ``group`` tokens later) refuses what entered. On the CPU the same rule holds (the same code)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for t, what in ((key_states, "keys"), (value_states, "values")):
@@ -248,9 +268,28 @@ class QuantizedKVLayer(DynamicLayer):
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         sinks, n = self._plan(keys.shape[-2])
-        if n:
-            quant.check_input(*((f"quantized cache layer {what}", t[..., sinks : sinks + n, :], getattr(codec, "fp16_metadata", False))
-                                for t, what, codec in ((keys, "keys", self.spec.key), (values, "values", self.spec.value))))
+        codecs = ((keys, key_states, "keys", self.spec.key), (values, value_states, "values", self.spec.value))
+        unread = self._unread_nonfinite
+        if n or key_states.shape[-2] > 1:
+            checks = [(f"quantized cache layer {what}", t[..., sinks : sinks + n, :], getattr(codec, "fp16_metadata", False))
+                      for t, _, what, codec in codecs] if n else []
+            # all new tokens: the quantized ones are checked above first, so a failure here is in sinks or residual
+            checks += [(f"quantized cache layer {what} entering full precision (sinks or residual)", new, False)
+                       for _, new, what, _ in codecs]
+            held = ((self.sink_keys, keys), (self.sink_values, values))  # where a one-token append's tokens are
+            entered = [] if unread is None else [(f"quantized cache layer {what}", unread, tuple(t for t in held[i] if t is not None))
+                                                 for i, (_, _, what, _) in enumerate(codecs)]
+            peaks = quant.check_input(*checks, entered=tuple(entered))
+            if n and peaks is not None:
+                for (_, _, what, codec), peak in zip(codecs, peaks):
+                    if hasattr(codec, "check_first_peak"):
+                        codec.check_first_peak(peak, f"quantized cache layer {what}")
+            unread = None
+        elif not quant.capturing(key_states):  # no read: a device sum, not finite if a NaN/Inf entered, refused at
+            # the next call that reads (which counts them in the tensors held); 3-4 small launches
+            total = torch.sum(key_states, dtype=torch.float32) + torch.sum(value_states, dtype=torch.float32)
+            unread = total if unread is None else unread + total
+        self._unread_nonfinite = unread
         if self.spec.rope:
             cos, sin = cache_kwargs["cos"], cache_kwargs["sin"]
             self.cos = cos if self.cos is None else torch.cat([self.cos, cos], dim=1)
@@ -321,6 +360,8 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
         if getattr(first, name) is not None:
             setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
     out.stored = {part: {k: torch.cat([x.stored[part][k] for x in layers]) for k in first.stored[part]} for part in first.stored}
+    flags = [x._unread_nonfinite for x in layers if x._unread_nonfinite is not None]
+    out._unread_nonfinite = torch.stack(flags).sum() if flags else None
     return out
 
 

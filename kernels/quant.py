@@ -23,6 +23,9 @@ import math
 import torch
 
 FP8_MAX = 448.0  # largest finite E4M3 value
+# Smallest peak |x| a dynamic FP8 scale is set from: fp16's smallest normal number. Below it a prefill carries no
+# magnitude to scale by (all zero, or underflowed), and peak / 448 would saturate every later token.
+FP8_MIN_PEAK = 2.0**-14
 FP16_MAX = 65504.0
 PACKABLE_BITS = (2, 4, 8)
 
@@ -42,24 +45,36 @@ def capturing(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def check_input(*checks: tuple[str, torch.Tensor, bool]) -> None:
+def check_input(*checks: tuple[str, torch.Tensor, bool],
+                entered: tuple[tuple[str, torch.Tensor, tuple[torch.Tensor, ...]], ...] = ()) -> list[float] | None:
     """A clear one-line error for tensors no quantizer can encode: each check is (what, tensor, fp16 metadata);
     NaN/Inf is refused, and where the tensor's codes get fp16 scales and zero points (affine), |x| beyond
-    ``FP16_MAX / 2``. On a GPU this waits for the data once for all the tensors (one peak |x| each: NaN and Inf
-    show in it), so callers check what they are about to quantize, together, not every token they see. While a
-    CUDA graph is being captured nothing can wait for data: only the dtypes are checked then."""
+    ``FP16_MAX / 2``. ``entered``: (what, device scalar, tensors holding it) for earlier calls that did not read:
+    the scalar is not finite when a NaN/Inf entered full precision then (see ``QuantizedKVLayer.append``); it is
+    read in the same wait, and the first `what` whose tensors hold a NaN/Inf is named. On a GPU
+    this waits for the data once for all of them (one peak |x| each: NaN and Inf show in it), so callers check
+    what they are about to quantize, together, not every token they see. Returns the peaks (None when nothing
+    was read). While a CUDA graph is being captured nothing can wait for data: only the dtypes are checked then."""
     for what, x, _ in checks:
         check_float(x, what)
     checks = tuple(c for c in checks if c[1].numel())
-    if not checks or capturing(checks[0][1]):
-        return
-    peaks = torch.stack([x.detach().abs().amax().float() for _, x, _ in checks]).tolist()
+    tensors = [x for _, x, _ in checks] + [flag for _, flag, _ in entered]
+    if not tensors or capturing(tensors[0]):
+        return None
+    read = torch.stack([x.detach().abs().amax().float() for _, x, _ in checks] + [flag.float() for _, flag, _ in entered]).tolist()
+    peaks = read[: len(checks)]
     for (what, x, fp16_metadata), peak in zip(checks, peaks):
         if not math.isfinite(peak):
             bad = int((~torch.isfinite(x)).sum())
-            raise ValueError(f"{what}: {bad} NaN/Inf value(s) in the tensor to quantize; KV entries must be finite")
+            raise ValueError(f"{what}: {bad} NaN/Inf value(s); KV entries must be finite")
         if fp16_metadata:
             check_fp16_range(peak, what)
+    for (what, _, held), flag in zip(entered, read[len(checks):]):
+        # the held tensors decide: a flag may also be set by what left them since (or, in bf16, a sum overflowing)
+        if not math.isfinite(flag) and (bad := sum(int((~torch.isfinite(t)).sum()) for t in held)):
+            raise ValueError(f"{what}: {bad} NaN/Inf value(s) entered full precision in an earlier one-token append "
+                             "(refused at this append's read of the data); KV entries must be finite")
+    return peaks
 
 
 def check_fp16_range(peak: float, what: str) -> None:
@@ -67,6 +82,21 @@ def check_fp16_range(peak: float, what: str) -> None:
     if peak > FP16_MAX / 2:
         raise ValueError(f"{what}: |x| up to {peak:.3g} exceeds what fp16 scales and zero points can describe "
                          f"(|x| ≤ {FP16_MAX / 2:g})")
+
+
+def check_fp8_input(rows: torch.Tensor, scale: torch.Tensor) -> None:
+    """FP8 rows must be finite and their scales finite and positive (a zero scale makes x / scale NaN or ±448)."""
+    check_float(rows, "fp8 quantization rows")
+    check_float(scale, "fp8 quantization scale")
+    if not rows.numel() or capturing(rows):
+        return
+    peak, smallest, largest = torch.stack([rows.detach().abs().amax().float(), scale.detach().amin().float(),
+                                           scale.detach().abs().amax().float()]).tolist()
+    if not math.isfinite(peak):
+        bad = int((~torch.isfinite(rows)).sum())
+        raise ValueError(f"fp8 quantization rows: {bad} NaN/Inf value(s); KV entries must be finite")
+    if not (math.isfinite(largest) and smallest > 0):
+        raise ValueError(f"fp8 quantization scale: scales must be finite and > 0, got values from {smallest:.3g} to {largest:.3g}")
 
 
 def check_bits(bits: int) -> None:
@@ -136,13 +166,13 @@ def fp16_up(x: torch.Tensor) -> torch.Tensor:
 
 
 def affine_quantize(rows: torch.Tensor, bits: int, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). ``checked``: the caller
-    has run ``check_input`` on these values (finite, within fp16 metadata's range), so the range is not checked
-    again."""
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). NaN/Inf and |x| beyond
+    fp16 metadata's range are refused (one read of the data), unless ``checked``: the caller has run
+    ``check_input`` on these values, so they are not checked again."""
     check_bits(bits)
     x = rows.float()
-    if x.numel() and not checked:
-        check_fp16_range(float(x.abs().max()), "affine quantization")
+    if not checked:
+        check_input(("affine quantization rows", rows, True))
     zero = fp16_down(x.amin(1))
     levels = 2**bits - 1
     span = x.amax(1) - zero.float()
@@ -161,8 +191,11 @@ def affine_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     return unpack(packed, bits).float() * scale.float()[:, None] + zero.float()[:, None]
 
 
-def fp8_quantize(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Rows (N, L) and one float32 scale per row (N,) → E4M3 codes of ``x / scale`` as uint8 (N, L), saturating."""
+def fp8_quantize(rows: torch.Tensor, scale: torch.Tensor, checked: bool = False) -> torch.Tensor:
+    """Rows (N, L) and one float32 scale per row (N,) → E4M3 codes of ``x / scale`` as uint8 (N, L), saturating.
+    NaN/Inf rows and scales that are not finite and positive are refused (one read), unless ``checked``."""
+    if not checked:
+        check_fp8_input(rows, scale)
     y = (rows.float() / scale.float()[:, None]).clamp(-FP8_MAX, FP8_MAX)
     return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
@@ -178,9 +211,12 @@ def grid_midpoints(levels: torch.Tensor) -> torch.Tensor:
     return (lv[1:] + lv[:-1]) * 0.5
 
 
-def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """Rows (N, L) of normalized values → packed indices of the nearest level (N, L*bits/8) uint8."""
+def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int, checked: bool = False) -> torch.Tensor:
+    """Rows (N, L) of normalized values → packed indices of the nearest level (N, L*bits/8) uint8. NaN/Inf rows
+    (which would take the top level) are refused, unless ``checked``."""
     check_bits(bits)
+    if not checked:
+        check_input(("grid quantization rows", rows, False), ("grid quantization levels", levels, False))
     if levels.numel() != 2**bits:
         raise ValueError(f"grid quantization: {levels.numel()} levels given, {bits} bits need {2**bits}")
     if bool((levels[1:] < levels[:-1]).any()):

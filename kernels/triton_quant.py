@@ -157,12 +157,12 @@ def _grid_dequantize_kernel(q_ptr, levels_ptr, out_ptr, N, L, BITS: tl.constexpr
 
 
 def affine_quantize(rows: torch.Tensor, bits: int, checked: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). The range check (not
-    run when ``checked``, see ``quant.affine_quantize``) waits for the data, so it is skipped while a CUDA graph
-    is captured."""
+    """Rows (N, L) → (packed codes (N, L*bits/8) uint8, scale (N,) fp16, zero (N,) fp16). The NaN/Inf and range
+    check (not run when ``checked``, see ``quant.affine_quantize``) waits for the data, so it is skipped while a
+    CUDA graph is captured."""
     quant.check_bits(bits)
-    if rows.numel() and not checked and not quant.capturing(rows):
-        quant.check_fp16_range(float(rows.float().abs().max()), "affine quantization")
+    if not checked:  # skipped by check_input itself while a CUDA graph is captured
+        quant.check_input(("affine quantization rows", rows, True))
     n, length = rows.shape
     quant.check_length(length, bits)
     packed = torch.empty(n, length * bits // 8, dtype=torch.uint8, device=rows.device)
@@ -181,8 +181,11 @@ def affine_dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Ten
     return out
 
 
-def fp8_quantize(rows: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Rows (N, L) and one float32 scale per row (N,) → E4M3 codes of ``x / scale`` as uint8 (N, L), saturating."""
+def fp8_quantize(rows: torch.Tensor, scale: torch.Tensor, checked: bool = False) -> torch.Tensor:
+    """Rows (N, L) and one float32 scale per row (N,) → E4M3 codes of ``x / scale`` as uint8 (N, L), saturating.
+    Checks as ``quant.fp8_quantize`` unless ``checked``."""
+    if not checked:
+        quant.check_fp8_input(rows, scale)
     out = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
     _launch(_fp8_quantize_kernel, *rows.shape, rows.contiguous(), scale.contiguous(), out)
     return out
@@ -195,9 +198,12 @@ def fp8_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """Rows (N, L) of normalized values → packed indices of the nearest level (N, L*bits/8) uint8."""
+def grid_quantize(rows: torch.Tensor, levels: torch.Tensor, bits: int, checked: bool = False) -> torch.Tensor:
+    """Rows (N, L) of normalized values → packed indices of the nearest level (N, L*bits/8) uint8. Checks as
+    ``quant.grid_quantize`` unless ``checked``."""
     quant.check_bits(bits)
+    if not checked:
+        quant.check_input(("grid quantization rows", rows, False), ("grid quantization levels", levels, False))
     if levels.numel() != 2**bits:
         raise ValueError(f"grid quantization: {levels.numel()} levels given, {bits} bits need {2**bits}")
     if bool((levels[1:] < levels[:-1]).any()):

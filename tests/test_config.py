@@ -97,7 +97,28 @@ BAD = [
     (("methods", "kivi2", "tasks"), ["niah"], "preset 'default': key 'methods.kivi2.tasks': no task 'niah'; configured tasks: niah_single"),
     (("methods", "full", "tasks"), ["prose_kl"], "key 'methods.full.tasks': the full reference runs on every task; remove it"),
     (("methods", "hf_quanto4", "bits"), 8, "config: key 'methods.hf_quanto4.bits': 8 is not allowed; allowed: 2, 4"),
-    (("methods", "snapkv", "press"), "SnapKV", "config: key 'methods.snapkv.press': 'SnapKV' does not match ^[A-Z][A-Za-z0-9]*Press$"),
+    (("methods", "snapkv", "press"), "SnapKV", "config: key 'methods.snapkv.press': 'SnapKV' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean SnapKVPress?"),
+    (("methods", "snapkv", "press"), "snapkvpress", "config: key 'methods.snapkv.press': 'snapkvpress' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean SnapKVPress?"),
+    (("methods", "streaming_llm", "press"), "streaming_llm", "key 'methods.streaming_llm.press': 'streaming_llm' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean StreamingLLMPress?"),
+    (("methods", "snapkv", "press"), "TovaPress", "preset 'default': key 'methods.snapkv.press': kvpress has no press 'TovaPress'; did you mean TOVAPress?"),
+    (("methods", "snapkv", "press"), "H2OPress", "key 'methods.snapkv.press': kvpress has no press 'H2OPress'; H2O is kvlab's own method (it scores at every decoding step): use `kind: h2o`"),
+    (("methods", "snapkv", "wrapper"), "MergePress", "preset 'default': key 'methods.snapkv.wrapper': 'MergePress' is not a kvpress press; wrappers:"),
+    (("methods", "snapkv", "kwargs", "windowsize"), 32, "preset 'default': key 'methods.snapkv.kwargs.windowsize': SnapKVPress has no field 'windowsize'; did you mean window_size?"),
+    (("methods", "snapkv", "kwargs", "window_size"), 0, "preset 'default': key 'methods.snapkv.kwargs.window_size': SnapKVPress.window_size must be > 0, got 0"),
+    (("methods", "snapkv", "kwargs", "kernel_size"), -1, "key 'methods.snapkv.kwargs.kernel_size': SnapKVPress.kernel_size must be > 0, got -1"),
+    (("methods", "snapkv", "kwargs", "kernel_size"), "five", "key 'methods.snapkv.kwargs.kernel_size': SnapKVPress.kernel_size is int, got str 'five'"),
+    (("methods", "streaming_llm", "kwargs", "n_sink"), -2, "key 'methods.streaming_llm.kwargs.n_sink': StreamingLLMPress.n_sink must be >= 0, got -2"),
+    (("methods", "streaming_llm", "kwargs", "n_sinks"), 4, "key 'methods.streaming_llm.kwargs.n_sinks': StreamingLLMPress has no field 'n_sinks'; did you mean n_sink?"),
+    (("methods", "snapkv_merge", "wrapper_kwargs"), {"merge_fraction": 1.5}, "preset 'default': key 'methods.snapkv_merge.wrapper_kwargs.merge_fraction': MergingPress requires 0.0 < merge_fraction <= 1.0, got merge_fraction=1.5"),
+    (("methods", "snapkv_merge", "wrapper_kwargs"), {"similarity": 0.5}, "key 'methods.snapkv_merge.wrapper_kwargs.similarity': MergingPress has no field 'similarity'; did you mean similarity_threshold?"),
+    (("methods", "adakv", "wrapper_kwargs"), {"alpha_safeguard": 2}, "key 'methods.adakv.wrapper_kwargs.alpha_safeguard': AdaKVPress requires 0 <= alpha_safeguard <= 1, got alpha_safeguard=2"),
+    (("methods", "streaming_llm_rerotated", "wrapper_kwargs"), {"n_sink": 4}, "key 'methods.streaming_llm_rerotated.wrapper_kwargs.n_sink': KeyRerotationPress has no field 'n_sink'; KeyRerotationPress takes no arguments"),
+    (("methods", "snapkv_merge"), {"kind": "kvpress", "press": "ThinKPress", "wrapper": "MergingPress"}, "preset 'default': key 'methods.snapkv_merge.wrapper': MergingPress wraps only a ScorerPress, and ThinKPress is not one"),
+    (("methods", "full2"), {"kind": "full"}, "preset 'default': key 'methods': 2 methods of kind 'full' (full, full2); keep exactly one"),
+    (("methods", "snapkv", "kind"), DELETE, "config: key 'methods.snapkv': missing 'kind' (required); one of: full, kvpress, h2o, quant, hf_quantized"),
+    (("models", "qwen2.5-0.5b", "source"), DELETE, "config: key 'models.qwen2.5-0.5b': missing 'source' (required); one of: pypi-gguf, hub, tiny"),
+    (("tasks", "recency", "kind"), DELETE, "config: key 'tasks.recency': missing 'kind' (required); one of: niah, recency"),
+    (("models", "tiny-x"), {"source": "tiny", "heads": 4, "kv_heads": 3}, "preset 'default': key 'models.tiny-x.kv_heads': 3 does not divide heads 4 (each KV head serves a whole group of query heads); pick a divisor of heads"),
     (("methods", "snapkv", "press"), "SnapPress", "preset 'default': key 'methods.snapkv.press': kvpress has no press 'SnapPress'; did you mean SnapKVPress?"),
     (("methods", "snapkv", "kwargs", "compression_ratio"), 0.5, "key 'methods.snapkv.kwargs.compression_ratio': set by `budgets`, remove it here"),
     (("methods", "full"), DELETE, "key 'methods': needs one method of kind 'full'"),
@@ -159,3 +180,79 @@ def test_wrapper_names_read_from_sources_match_kvpress_classes():
     classes = {n: getattr(kvpress, n) for n in dir(kvpress) if n.endswith("Press")}
     runtime = {n for n, c in classes.items() if dataclasses.is_dataclass(c) and "press" in {f.name for f in dataclasses.fields(c)}}
     assert kvpress_wrapper_names() == runtime and {"KeyRerotationPress", "MergingPress", "AdaKVPress"} <= runtime
+
+
+def test_press_fields_read_from_sources_match_dataclass_fields():
+    """press_source reads kvpress's sources (no import); its init fields must be dataclasses.fields(init=True) of
+    every exported press, and the literal defaults the runtime defaults."""
+    import dataclasses
+
+    import kvpress
+
+    from kvlab.press_source import NO_DEFAULT, init_fields
+
+    for name in (n for n in dir(kvpress) if n.endswith("Press")):
+        cls = getattr(kvpress, name)
+        runtime = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        found = init_fields(name)
+        assert set(found) == set(runtime), name
+        for field, spec in found.items():
+            if spec.default is not NO_DEFAULT:
+                assert spec.default == runtime[field].default, (name, field)
+
+
+YAML_BAD = [
+    ("budgets: [0.5]\nthreads: 2\nbudgets: [0.25]\n", False,
+     "{f}:3:1: duplicate key 'budgets' (first at line 1); YAML would keep only the last silently — keep one"),
+    ("methods:\n  full: {kind: full}\n  snapkv:\n    kind: kvpress\n    press: SnapKVPress\n    kind: full\n", False,
+     "{f}:6:5: duplicate key 'methods.snapkv.kind' (first at line 4)"),
+    ("budgets: [0.5, 0.25\nthreads: 2\n", False,
+     "{f}:2:8: YAML syntax error: while parsing a flow sequence (from line 1, column 10): expected ',' or ']', but got ':'; fix the file there"),
+    ("models:\n  tiny: {source: tiny\n", False, "{f}:3:1: YAML syntax error: while parsing a flow mapping (from line 2, column 9)"),
+    ("budgets:\n\t- 0.5\n", False, "{f}:2:1: YAML syntax error: "),
+    ("methods:\n  snapkv: null\n", True,
+     "{f}:2:3: key 'methods.snapkv' is null: a --configfile merges into config.yaml key by key and cannot delete a key"),
+]
+
+
+@pytest.mark.parametrize("text,overlay,message", YAML_BAD, ids=range(len(YAML_BAD)))
+def test_config_files_are_read_strictly(tmp_path, text, overlay, message):
+    from kvlab.config import check_config_files
+
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    base = tmp_path / "config.yaml"
+    base.write_text("threads: 2\n")
+    with pytest.raises(ConfigError) as info:
+        check_config_files(base if overlay else f, [f] if overlay else [])
+    assert "\n" not in str(info.value)
+    assert str(info.value).startswith(message.format(f=f))
+
+
+def test_null_is_fine_in_the_base_file_and_a_good_overlay_passes(tmp_path):
+    from kvlab.config import check_config_files
+
+    (tmp_path / "config.yaml").write_text("methods:\n  x: null\n")
+    (tmp_path / "o.yaml").write_text("methods:\n  x: {kind: full}\n")
+    check_config_files(tmp_path / "config.yaml", [tmp_path / "o.yaml"])  # the schema words what null means there
+    check_config_files(tmp_path / "absent.yaml", [tmp_path / "o.yaml"])  # no base: the overlay is the config
+
+
+@pytest.mark.parametrize("text,message", [
+    ("budgets: [0.5]\nbudgets: [0.25]\n", "kvlab config: {f}:2:1: duplicate key 'budgets' (first at line 1)"),
+    ("methods:\n  snapkv: null\n", "kvlab config: {f}:2:3: key 'methods.snapkv' is null"),
+])
+def test_snakemake_refuses_a_configfile_it_would_misread(tmp_path, text, message):
+    """Snakemake loads --configfile itself (keeping the last duplicate); the Snakefile re-reads the files it loaded
+    (workflow.config_settings.configfiles, and config.yaml) strictly before any rule is defined."""
+    import shutil
+
+    shutil.copy(ROOT / "config.yaml", tmp_path / "config.yaml")
+    (tmp_path / "over.yaml").write_text(text)
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--configfile", str(tmp_path / "over.yaml"), "--directory", str(tmp_path),
+         "--snakefile", str(ROOT / "Snakefile")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert message.format(f=tmp_path / "over.yaml") in proc.stderr + proc.stdout

@@ -201,13 +201,14 @@ def test_fp16_metadata_range_binds_affine_codes_only():
     assert layer.quantized == 20
 
 
-def test_a_bad_token_is_refused_when_its_group_is_quantized():
-    """Full-precision tokens are held as given (as a dense cache holds them); the check runs on what a call
-    quantizes, so decoding does not wait for the GPU at every token, and nothing of that call is stored."""
+def test_a_bad_decoded_token_is_refused_at_the_next_read():
+    """A one-token append that quantizes nothing reads nothing (decoding does not wait for the GPU at every
+    token): it only records on the device that its token was not finite; the next append that reads (the next
+    quantizing one) refuses it, and nothing of that call is stored."""
     spec = SPECS["kivi4"]()
     layer = kvcache.QuantizedKVLayer(spec)
     keys, values = random_kv(spec.residual + spec.group)
-    keys[0, 0, 0, 3] = float("inf")  # in the first group: held until R + G tokens are
+    keys[0, 0, spec.residual, 3] = float("inf")  # the first decoded token: held until R + G tokens are
     layer.update(keys[..., : spec.residual, :], values[..., : spec.residual, :])
     for t in range(spec.residual, spec.residual + spec.group - 1):
         layer.append(keys[..., t : t + 1, :], values[..., t : t + 1, :])
@@ -215,6 +216,82 @@ def test_a_bad_token_is_refused_when_its_group_is_quantized():
     with pytest.raises(ValueError, match="quantized cache layer keys: 1 NaN/Inf"):
         layer.append(keys[..., -1:, :], values[..., -1:, :])
     assert layer.quantized == 0 and layer.get_seq_length() == spec.residual + spec.group - 1
+
+
+@pytest.mark.parametrize("name", ["kivi4", "kvquant"])
+@pytest.mark.parametrize("where", ["residual", "sinks"])
+def test_a_bad_prefill_token_kept_in_full_precision_is_refused_when_it_enters(name, where):
+    """A prefill reads its data once anyway: every token is checked then, not only the ones it quantizes, so a NaN
+    bound for the residual (or the sinks) is refused at once rather than when its group is quantized later."""
+    spec = SPECS[name]()
+    if not {"sinks": spec.sink_tokens, "residual": spec.residual}[where]:
+        pytest.skip(f"no {where}")
+    t = spec.sink_tokens + 2 * spec.group + spec.residual  # quantizes two groups, keeps the last `residual` tokens
+    keys, values = random_kv(t)
+    values[0, 1, 0 if where == "sinks" else t - 1, 5] = float("nan")
+    layer = kvcache.QuantizedKVLayer(spec)
+    cos, sin = rope_tables(t)
+    with pytest.raises(ValueError, match=r"^quantized cache layer values entering full precision \(sinks or residual\): 1 NaN/Inf value\(s\); KV entries must be finite$"):
+        layer.update(keys, values, {"cos": cos, "sin": sin})
+    assert layer.quantized == 0 and layer.get_seq_length() == 0
+
+
+def test_a_short_prefill_that_quantizes_nothing_is_checked_too():
+    spec = SPECS["kivi4"]()
+    keys, values = random_kv(spec.residual)
+    keys[0, 0, 2, 1] = float("-inf")
+    layer = kvcache.QuantizedKVLayer(spec)
+    with pytest.raises(ValueError, match="keys entering full precision .*: 1 NaN/Inf"):
+        layer.update(keys, values)
+    assert layer.get_seq_length() == 0
+
+
+def test_a_bad_decoded_value_survives_stacking_and_is_named():
+    """The device flag of one-token appends travels with stack_layers (copies decoded as one batch), and the
+    refusal names the tensor that holds the NaN."""
+    spec = SPECS["kivi4"]()
+    keys, values = random_kv(spec.residual + spec.group)
+    layers = []
+    for poisoned in (False, True):
+        layer = kvcache.QuantizedKVLayer(spec)
+        layer.update(keys[..., : spec.residual, :], values[..., : spec.residual, :])
+        v = values[..., spec.residual : spec.residual + 1, :].clone()
+        if poisoned:
+            v[0, 1, 0, 2] = float("nan")
+        layer.append(keys[..., spec.residual : spec.residual + 1, :], v)
+        layers.append(layer)
+    stacked = kvcache.stack_layers(layers)
+    for t in range(spec.residual + 1, spec.residual + spec.group - 1):
+        stacked.append(torch.cat([keys[..., t : t + 1, :]] * 2), torch.cat([values[..., t : t + 1, :]] * 2))
+    with pytest.raises(ValueError, match=r"^quantized cache layer values: 1 NaN/Inf value\(s\) entered full precision in an earlier one-token append"):
+        stacked.append(torch.cat([keys[..., -1:, :]] * 2), torch.cat([values[..., -1:, :]] * 2))
+
+
+def test_fp8_dynamic_scale_refuses_an_all_zero_prefill():
+    """peak / 448 of an all-zero prefill was clamped to 1e-12: every later token then saturated at ±4.5e-10."""
+    layer = kvcache.QuantizedKVLayer(SPECS["fp8_dynamic"]())
+    keys, values = random_kv(24)
+    zeros = torch.zeros_like(keys[..., :16, :])
+    with pytest.raises(ValueError, match=r"^quantized cache layer keys: fp8 dynamic scale: the first tokens quantized peak at \|x\| = 0 .*use scales: calibrated$"):
+        layer.update(zeros, values[..., :16, :])
+    assert layer.get_seq_length() == 0 and layer.spec.key.dynamic is None
+    # a prefill with content sets the scale; later tokens then round-trip within E4M3's precision
+    layer.update(keys[..., :16, :], values[..., :16, :])
+    for i in range(16, 24):
+        layer.update(keys[..., i : i + 1, :], values[..., i : i + 1, :])
+    k, _ = layer.full()
+    assert torch.allclose(k[..., 16:, :], keys[..., 16:, :], rtol=2**-4, atol=float(layer.spec.key.dynamic) * 2**-6)
+
+
+def test_fp8_dynamic_scale_floor_keeps_later_tokens_when_no_read_could_check():
+    """Where the first peak cannot be read (a CUDA graph capture) the scale's floor still leaves later tokens of
+    |x| ≤ FP8_MIN_PEAK representable; the old 1e-12 floor reduced them all to about zero."""
+    codec = kvcache.FP8Codec()
+    codec.encode(torch.zeros(1, H, 4, D))
+    assert float(codec.dynamic) == pytest.approx(quant.FP8_MIN_PEAK / quant.FP8_MAX)
+    x = torch.full((1, H, 1, D), quant.FP8_MIN_PEAK / 2)
+    back = codec.decode(codec.encode(x), x.shape)
+    assert torch.allclose(back, x, rtol=2**-4)
 
 
 @pytest.mark.parametrize("name", ["kivi4", "int8"])

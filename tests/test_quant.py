@@ -82,6 +82,28 @@ def test_non_finite_input_is_refused(bad):
         quant.check_input(("keys", x, False))
 
 
+@pytest.mark.parametrize("call,message", [
+    (lambda x: quant.affine_quantize(x, 4), "affine quantization rows: 2 NaN/Inf value(s); KV entries must be finite"),
+    (lambda x: quant.fp8_quantize(x, torch.ones(2)), "fp8 quantization rows: 2 NaN/Inf value(s); KV entries must be finite"),
+    (lambda x: quant.grid_quantize(x, torch.linspace(-1, 1, 4), 2), "grid quantization rows: 2 NaN/Inf value(s); KV entries must be finite"),
+])
+def test_public_quantizers_refuse_nan_and_inf_themselves(call, message):
+    """Called directly (not through a cache layer that checked first), a quantizer names the tensor it refuses;
+    unchecked, NaN codes would decode to a level or a saturated ±448 and pass as data."""
+    x = torch.zeros(2, 8)
+    x[0, 1], x[1, 7] = float("nan"), float("-inf")
+    with pytest.raises(ValueError) as info:
+        call(x)
+    assert str(info.value) == message
+
+
+def test_fp8_refuses_a_zero_or_non_finite_scale():
+    with pytest.raises(ValueError, match=r"^fp8 quantization scale: scales must be finite and > 0, got values from 0 to 1$"):
+        quant.fp8_quantize(torch.ones(2, 4), torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="fp8 quantization scale: scales must be finite and > 0"):
+        quant.fp8_quantize(torch.ones(2, 4), torch.tensor([1.0, float("inf")]))
+
+
 def test_out_of_metadata_range_is_refused():
     with pytest.raises(ValueError, match="fp16"):
         quant.affine_quantize(torch.tensor([[1e5, 0.0]]), 8)

@@ -91,10 +91,11 @@ def test_fp8_ties_and_specials(device):
     x = torch.cat([normal, sub, ties, special, torch.nextafter(ties, torch.tensor(0.0))])
     x = torch.cat([x, -x])
     x = torch.cat([x, x.new_zeros(-len(x) % 64)]).view(-1, 64)
+    # checked=True: the codes of inputs the public functions refuse (NaN, Inf, a zero scale) must agree too
     scale = torch.ones(len(x))
-    assert same(quant.fp8_quantize(x.to(device), scale.to(device)), tq.fp8_quantize(x.to(device), scale.to(device)))
+    assert same(quant.fp8_quantize(x.to(device), scale.to(device), checked=True), tq.fp8_quantize(x.to(device), scale.to(device), checked=True))
     scale = torch.full((len(x),), 0.0)  # x / 0: ±inf saturates, 0 / 0 is NaN
-    assert same(quant.fp8_quantize(x.to(device), scale.to(device)), tq.fp8_quantize(x.to(device), scale.to(device)))
+    assert same(quant.fp8_quantize(x.to(device), scale.to(device), checked=True), tq.fp8_quantize(x.to(device), scale.to(device), checked=True))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -147,6 +148,10 @@ def test_grid_fp16_levels(device):
         lambda m: m.grid_quantize(torch.zeros(2, 8), torch.arange(8.0), 2),
         lambda m: m.grid_quantize(torch.zeros(2, 8), torch.arange(4.0).flip(0), 2),
         lambda m: m.grid_quantize(torch.zeros(2, 6), torch.arange(4.0), 2),
+        lambda m: m.affine_quantize(torch.tensor([[0.0, float("nan")] * 4]), 4),
+        lambda m: m.fp8_quantize(torch.tensor([[float("inf"), 1.0]]), torch.ones(1)),
+        lambda m: m.fp8_quantize(torch.ones(2, 4), torch.tensor([1.0, 0.0])),
+        lambda m: m.grid_quantize(torch.tensor([[float("nan"), 0, 0, 0]]), torch.arange(4.0), 2),
     ],
 )
 def test_same_errors(call):

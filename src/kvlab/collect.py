@@ -13,9 +13,10 @@ import pandas as pd
 
 from kvlab.columns import DECODE_KERNEL_COLUMNS
 from kvlab.config import CALIBRATION_TABLES
-from kvlab.io import atomic_path
+from kvlab.io import atomic_path, read_parquet
 from kvlab.models.card import read_card
 
+NESTED_CARD_KEYS = ("layer_types", "rope", "source", "weights")  # card values stored as JSON text in `models`
 PACKAGES = ("torch", "transformers", "kvpress", "snakemake", "duckdb", "altair", "triton", "kvlab")
 
 
@@ -71,8 +72,7 @@ def build(
     calibration table, all models), models, costs, benchmarks, provenance."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
-        [{**{k: v for k, v in c.items() if k not in ("layer_types", "rope", "source")},
-          "layer_types": json.dumps(c["layer_types"]), "rope": json.dumps(c["rope"]), "source": json.dumps(c["source"])}
+        [{**{k: v for k, v in c.items() if k not in NESTED_CARD_KEYS}, **{k: json.dumps(c[k]) for k in NESTED_CARD_KEYS if k in c}}
          for c in cards]
     )
     tables = {
@@ -85,7 +85,7 @@ def build(
             for name in CALIBRATION_TABLES
         },
         "models": models,
-        "costs": pd.read_parquet(cost_file),
+        "costs": read_parquet(cost_file),
         "benchmarks": read_benchmarks(benchmark_files),
         "provenance": provenance(config),
     }
@@ -105,4 +105,4 @@ def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:
     """The files' rows; with no files, a table of the `empty` typed columns (a table only some runs write)."""
     if not files and empty is not None:
         return pd.DataFrame({c: pd.Series(dtype=d) for c, d in empty.items()})
-    return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    return pd.concat([read_parquet(f) for f in files], ignore_index=True)

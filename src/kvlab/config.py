@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import functools
 import importlib.util
 from pathlib import Path
@@ -12,9 +13,58 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from kvlab import press_source
+
 
 class ConfigError(ValueError):
     """A config problem, described in one line."""
+
+
+def check_config_files(base: str | Path | None, overlays=()) -> None:
+    """Read the config files Snakemake loads more strictly than it does (it keeps the last of duplicate keys
+    silently, and words a syntax error without file or line): `base` (the Snakefile's ``configfile:``, skipped
+    when absent) and `overlays` (``--configfile``, merged into it key by key). One line on the first problem:
+    file:line:column and what is wrong. An overlay's null value is refused too: merging cannot delete a key."""
+    files = ([Path(base)] if base is not None and Path(base).is_file() else []) + [Path(f) for f in overlays]
+    for path in files:
+        check_yaml(path, overlay=bool(base is not None and Path(base).is_file()) and path in map(Path, overlays))
+
+
+def check_yaml(path: str | Path, overlay: bool = False) -> None:
+    """Refuse YAML syntax errors and duplicate mapping keys (and, in an `overlay`, null values), naming the place."""
+    path = Path(path)
+    try:
+        root = yaml.compose(path.read_text(), Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        context = error.context or ""
+        if context and error.context_mark and error.context_mark.line != getattr(mark, "line", None):
+            context += f" (from line {error.context_mark.line + 1}, column {error.context_mark.column + 1}):"
+        problem = " ".join(f"{context} {error.problem or ''}".split())
+        raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the file there") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
+    stack = [((), root)] if root is not None else []
+    while stack:
+        keys, node = stack.pop()
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(((*keys, i), item) for i, item in enumerate(node.value))
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        seen = {}
+        for key_node, value_node in node.value:
+            key = key_node.value
+            at = f"{path}:{key_node.start_mark.line + 1}:{key_node.start_mark.column + 1}"
+            name = _path((*keys, key))
+            if key in seen:
+                raise ConfigError(f"{at}: duplicate key '{name}' (first at line {seen[key] + 1}); YAML would keep only "
+                                  "the last silently — keep one")
+            seen[key] = key_node.start_mark.line
+            if overlay and value_node.tag == "tag:yaml.org,2002:null":
+                raise ConfigError(f"{at}: key '{name}' is null: a --configfile merges into config.yaml key by key and "
+                                  "cannot delete a key; edit config.yaml or select a preset instead")
+            stack.append(((*keys, key), value_node))
 
 
 def resolve(config: dict, schema_path: str | Path) -> dict:
@@ -43,16 +93,54 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     return resolved
 
 
+DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "tasks": ("task", "kind")}
+
+
 def _validate(data: dict, schema: dict, schema_path: str | Path, where: str) -> None:
     # Snakemake's validate fills defaults; on failure we re-run jsonschema to word the error ourselves.
     from snakemake.exceptions import WorkflowError
     from snakemake.utils import validate
 
+    _check_discriminators(data, schema, where)
     try:
         validate(data, str(Path(schema_path).resolve()))
     except WorkflowError:
         error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(schema).iter_errors(data))
-        raise ConfigError(f"{where}: {describe(error)}") from None
+        text = describe(error)
+        parts = list(error.absolute_path)
+        if error.validator == "pattern" and parts and parts[-1] in ("press", "wrapper") and isinstance(error.instance, str):
+            close = suggest_press(error.instance, kvpress_press_names())
+            text += f"; {close}" if close else ""
+        raise ConfigError(f"{where}: {text}") from None
+
+
+def _check_discriminators(data: dict, schema: dict, where: str) -> None:
+    """An entry without its `kind` / `source` matches no branch of the schema, whose best error would be an
+    'unknown key' of some other kind: say what is missing instead."""
+    for section, (what, key) in DISCRIMINATORS.items():
+        entries = data.get(section)
+        if not isinstance(entries, dict):
+            continue
+        for name, entry in entries.items():
+            if isinstance(entry, dict) and key not in entry:
+                allowed = schema["$defs"][what]["properties"][key]["enum"]
+                raise ConfigError(f"{where}: key '{section}.{name}': missing '{key}' (required); one of: {', '.join(allowed)}")
+
+
+def suggest_press(name: str, presses) -> str | None:
+    """'did you mean X?' for a press name close to one kvpress has, by spelling (difflib), case and a missing
+    'Press' suffix ignored; None when nothing is close."""
+    if "h2o" in name.lower():
+        return "H2O is kvlab's own method (it scores at every decoding step): use `kind: h2o`"
+    lower = {p.lower(): p for p in presses}
+    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
+        if candidate in lower:
+            return f"did you mean {lower[candidate]}?"
+    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
+        close = difflib.get_close_matches(candidate, list(lower), n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {lower[close[0]]}?"
+    return None
 
 
 def describe(error: jsonschema.ValidationError) -> str:
@@ -111,8 +199,8 @@ def _check_semantics(config: dict, where: str) -> None:
         if "press" in method:
             press = method["press"]
             if press not in presses:
-                close = [p for p in presses if p.lower().startswith(press.lower()[:4])]
-                hint = f"; did you mean {', '.join(close)}?" if close else f"; kvpress has: {', '.join(sorted(presses))}"
+                close = suggest_press(press, presses)
+                hint = f"; {close}" if close else f"; kvpress has: {', '.join(sorted(presses))}"
                 raise ConfigError(f"{where}: key 'methods.{name}.press': kvpress has no press '{press}'{hint}")
             if method.get("wrapper_kwargs") and "wrapper" not in method:
                 raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs': needs a `wrapper` press to configure")
@@ -128,14 +216,29 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'methods.{name}.kwargs.{key}': 'calibrated' is only available for n_sink "
                         "(StreamingLLM's sink count from calibration)"
                     )
+            for field, cls, kwargs in (("kwargs", press, method.get("kwargs", {})),
+                                       ("wrapper_kwargs", wrapper, method.get("wrapper_kwargs", {}))):
+                problem = cls and press_source.kwargs_problem(cls, {k: v for k, v in kwargs.items() if k != "compression_ratio"}, ("calibrated",))
+                if problem:
+                    raise ConfigError(f"{where}: key 'methods.{name}.{field}.{problem[0]}': {problem[1]}")
+            if wrapper and (problem := press_source.wrapper_problem(wrapper, press)):
+                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': {problem}")
             if method.get("layer_budgets") and press == "PyramidKVPress":
                 raise ConfigError(f"{where}: key 'methods.{name}.layer_budgets': PyramidKVPress sets its own per-layer budgets; use it with SnapKVPress or another press")
             if "compression_ratio" in method.get("kwargs", {}):
                 raise ConfigError(
                     f"{where}: key 'methods.{name}.kwargs.compression_ratio': set by `budgets`, remove it here"
                 )
-    if "full" not in {m["kind"] for m in config["methods"].values()}:
+    fulls = [n for n, m in config["methods"].items() if m["kind"] == "full"]
+    if not fulls:
         raise ConfigError(f"{where}: key 'methods': needs one method of kind 'full' (the uncompressed reference)")
+    if len(fulls) > 1:
+        raise ConfigError(f"{where}: key 'methods': {len(fulls)} methods of kind 'full' ({', '.join(fulls)}); keep exactly one, "
+                          "the uncompressed reference every method is compared with")
+    for name, spec in config["models"].items():
+        if spec["source"] == "tiny" and spec["heads"] % spec["kv_heads"]:
+            raise ConfigError(f"{where}: key 'models.{name}.kv_heads': {spec['kv_heads']} does not divide heads {spec['heads']} "
+                              "(each KV head serves a whole group of query heads); pick a divisor of heads")
     if not any(m["evaluate"] for m in config["models"].values()):
         raise ConfigError(f"{where}: key 'models': no model has evaluate: true; at least one must be evaluated")
     bench = config["benchmark"]["task"]
@@ -204,3 +307,14 @@ def kvpress_press_names() -> set[str]:
         if isinstance(node, ast.ImportFrom):
             names.update(a.asname or a.name for a in node.names)
     return {n for n in names if n.endswith("Press")}
+
+
+if __name__ == "__main__":  # python -m kvlab.config FILE...: the strict read of config files, with line and column
+    import sys
+
+    try:
+        for arg in sys.argv[1:]:
+            check_yaml(arg)
+    except ConfigError as error:
+        sys.exit(f"kvlab config: {error}")
+    print(f"{len(sys.argv) - 1} file(s) read: no duplicate keys, no syntax errors")

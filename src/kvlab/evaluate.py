@@ -31,7 +31,9 @@ def load_model(model_dir: str | Path, dtype: str, device: str):
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("config device is 'cuda' but torch sees no CUDA device; set device: cpu")
     from kvlab.engine import ATTENTION
+    from kvlab.models.integrity import verify_weights
 
+    verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
     model = model.to(device).eval()

@@ -35,6 +35,26 @@ def write_parquet(frame, path: str | Path) -> None:
         frame.to_parquet(tmp, index=False)
 
 
+class DamagedFileError(ValueError):
+    """A result or model file that cannot be read, named in one line with the fix."""
+
+
+def read_parquet(path: str | Path, columns: list[str] | None = None):
+    """``pandas.read_parquet`` whose failure on a damaged file (truncated, not Parquet) names the file in one line."""
+    import pandas as pd
+    import pyarrow
+
+    try:
+        return pd.read_parquet(path, columns=columns)
+    except FileNotFoundError:
+        raise
+    except (pyarrow.ArrowException, OSError) as exc:
+        reason = " ".join(str(exc).split())
+        raise DamagedFileError(
+            f"{path}: not a readable Parquet file ({reason}); delete it and rerun the rule that writes it"
+        ) from None
+
+
 def log_to(path: str | Path | None) -> None:
     """Send logging (and warnings) of a rule script to its log file as well as stderr."""
     handlers: list[logging.Handler] = [logging.StreamHandler()]

@@ -102,9 +102,9 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     """`methods` with every `calibrated` kwarg replaced by the model's measured value, e.g. StreamingLLM's
     `n_sink` by the leading sink positions calibration found. Quantized methods that read calibration tables
     (FP8 scales, KVQuant grids) get the folder as `calibration`."""
-    import pandas as pd
     from pathlib import Path
 
+    from kvlab.io import read_parquet
     from kvlab.methods.quantized import needs_calibration
 
     out = {}
@@ -113,12 +113,12 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
         for key, value in kwargs.items():
             if value == CALIBRATED:
                 table, column = CALIBRATED_KWARGS[key]
-                kwargs[key] = int(pd.read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
+                kwargs[key] = int(read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
         out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else dict(spec)
         if needs_calibration(spec):
             out[name]["calibration"] = str(calibration_dir)
         if spec.get("layer_budgets") == CALIBRATED:
-            table = pd.read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
+            table = read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
             out[name]["layer_budgets"] = [float(w) for w in table["budget_weight"]]
     return out
 

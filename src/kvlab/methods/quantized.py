@@ -22,7 +22,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlab.kernels import kvcache
+from kvlab.io import read_parquet
+from kvlab.kernels import kvcache, quant
 from kvlab.kernels.accounting import TensorCodes
 
 QUANT_KINDS = ("quant", "hf_quantized")
@@ -38,13 +39,14 @@ def needs_calibration(spec: dict) -> bool:
 
 @lru_cache(maxsize=8)
 def _table(calibration_dir: str, name: str) -> pd.DataFrame:
-    return pd.read_parquet(Path(calibration_dir) / f"{name}.parquet")
+    return read_parquet(Path(calibration_dir) / f"{name}.parquet")
 
 
 def _fp8_scales(spec: dict, layer: int, tensor: str) -> torch.Tensor:
     t = _table(spec["calibration"], "fp8_scales")
     rows = t[(t["layer"] == layer) & (t["tensor"] == tensor)].sort_values("kv_head")
-    return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(1e-12)
+    # a head calibration saw all zero keeps |x| up to FP8_MIN_PEAK, not a 1e-12 scale that saturates everything
+    return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(quant.FP8_MIN_PEAK / quant.FP8_MAX)
 
 
 def _kvquant_tables(spec: dict, layer: int, heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

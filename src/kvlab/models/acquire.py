@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from kvlab.models.card import card_from_config, write_card
 from kvlab.models.catalog import CATALOG, GGUFPackage
+from kvlab.models.integrity import weight_digests
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ def acquire(name: str, spec: dict, out_dir: str | Path) -> dict:
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
     try:
         card = builders[source](name, spec, staging)
+        card["weights"] = weight_digests(staging)  # checked by every job that loads the model (integrity.py)
         write_card(staging, card)
         staging.chmod(0o755)  # mkdtemp makes it private; the model folder is an ordinary output
         if out_dir.exists():
