@@ -3,8 +3,9 @@
 import pandas as pd
 import pytest
 
-from kvlab.report.build import _matches, cost_verdict
+from kvlab.report.claims import verdicts
 from kvlab.report.decision import article_comparison, c12_verdict, decision_table
+from kvlab.report.verdicts.cost import matches as _matches
 
 
 def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None, scheme=None, bits=None, press=None,
@@ -74,6 +75,11 @@ def test_printed_figures_read_in_binary_or_decimal_units():
     assert _matches("12.5 GB + 40 MB", 12.539 * 1024**3) and not _matches("12.5 GB", 12.7 * 1024**3)
     assert _matches("≈3.1 GB", 3.164 * 1024**3) and not _matches("3.1 GB", 3.164 * 1024**3)
     assert not _matches("8.8 GB", 9_210_691_584)  # 8.58 GiB, 9.21 GB: neither prints as 8.8
+
+
+def cost_verdict(costs: pd.DataFrame) -> tuple[str, str, str]:
+    (out,) = verdicts([9], {"cost_article": costs})
+    return out
 
 
 def test_cost_verdict_names_the_figures_it_cannot_reproduce():

@@ -10,7 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.report.build import build, calibration_verdicts, eviction_verdicts, load_queries, pooled, quant_verdicts
+from kvlab.report.build import build, load_queries
+from kvlab.report.claims import verdicts as claim_verdicts
+from kvlab.report.tables import pooled
 
 CHROMIUM = shutil.which("chromium")
 
@@ -106,7 +108,7 @@ def test_calibration_heatmap_renders_beyond_altair_row_limit():
     """Real models give > 5,000 channel rows (Qwen + Gemma: 23,040); the charts must still render."""
     import pandas as pd
 
-    from kvlab.report.build import calibration_charts
+    from kvlab.report.sections.calibration import charts as calibration_charts
 
     n = 6000
     channels = pd.DataFrame({"model": "m", "tensor": "value", "layer": [i // 250 for i in range(n)],
@@ -132,11 +134,10 @@ def kl_rows(**kl) -> pd.DataFrame:
 
 
 def acc_rows(delta: float) -> pd.DataFrame:
-    """Pooled accuracy of a 4-bit KIVI method over two tasks of 20 answers, `delta` points from full."""
-    by_task = pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
+    """A hand-made quant_accuracy table: a 4-bit KIVI method over two tasks of 20 answers, `delta` points from full."""
+    return pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
                              "value_axis": "token", "budget": 1.0, "task": task, "correct": 18 + delta / 100 * 20,
                              "full_correct": 18, "rows": 20} for task in ("a", "b")])
-    return pooled(by_task)
 
 
 def test_pooled_accuracy_compares_methods_on_common_tasks():
@@ -150,8 +151,9 @@ def test_pooled_accuracy_compares_methods_on_common_tasks():
     assert common.loc["x", "accuracy"] == 1.0 and common.loc["y", "delta_points"] == -50
 
 
-def verdicts(kl, acc) -> dict:
-    return {claim.split()[0]: verdict for claim, verdict, _ in quant_verdicts(kl, acc)}
+def verdicts(kl, by_task) -> dict:
+    q = {"quant_kl": kl, "quant_accuracy": by_task}
+    return {claim.split()[0]: verdict for claim, verdict, _ in claim_verdicts([3, 4, 5, 10], q)}
 
 
 def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
@@ -199,6 +201,10 @@ def eviction_tables(snap_aware=1.0, snap_agnostic=0.0, second=0.0, h2o=0.0, outs
         for m, n, k in (("stream", 4, 0.5), ("stream0", 0, kl0))
     ])
     return {c.split()[0]: (v, e) for c, v, e in eviction_verdicts(acc, kl)}
+
+
+def eviction_verdicts(acc, kl) -> list[tuple[str, str, str]]:
+    return claim_verdicts([6, 7, 8, 11], {"eviction_accuracy": acc, "eviction_kl": kl})
 
 
 def test_eviction_verdicts_hold_on_a_table_that_shows_the_claims():
@@ -256,7 +262,7 @@ def calibration_tables(keys=6.0, values=2.0, massive=90.0, mass=0.38):
                         "key_pre_rope_max": keys * 2, "value_max": values * 1.5}])
     c2 = pd.DataFrame([{"model": "m", "massive_ratio": massive, "massive_layer": 5, "token0_max_abs": 856.0,
                         "token0_mass_max": mass, "token0_mass_layer": 5, "token0_mass_mean": mass / 2}])
-    return {c.split()[0]: v for c, v, _ in calibration_verdicts(c1, c2)}
+    return {c.split()[0]: v for c, v, _ in claim_verdicts([1, 2], {"calib_c1": c1, "calib_c2": c2})}
 
 
 @pytest.mark.parametrize("change,expected", [

@@ -2,25 +2,31 @@
 
 Input is the `decision` query: per (model, task shape, question mode, method, budget) the accuracy beside the
 full cache on the same answers, or, for prose, the per-token KL; and the bytes the method stored as a
-fraction of the full cache in bf16. A method is *safe* at a budget when it stays within `TOLERANCE_POINTS`
-accuracy points of the full cache (questions) or at most `KL_SAFE` nats per token (prose); the table lists,
+fraction of the full cache in bf16. A method is *safe* at a budget when it passes the `Rule`; the table lists,
 per shape and mode, the safe methods by the compression they reached.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pandas as pd
 
-TOLERANCE_POINTS = 1.0  # "safe" = within this many accuracy points of the full cache on the same answers
-KL_SAFE = 0.01  # … or, on prose (no answers to score), per-token KL vs the full cache at most this (nats)
-TARGET = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
+
+@dataclass(frozen=True)
+class Rule:
+    """When a compressed method is safe, and the compression the article asks for."""
+
+    tolerance_points: float = 1.0  # within this many accuracy points of the full cache on the same answers
+    kl_safe: float = 0.01  # … or, on prose (no answers to score), per-token KL vs the full cache at most this (nats)
+    target: float = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
 
 
-def safe(frame: pd.DataFrame) -> pd.Series:
+def safe(frame: pd.DataFrame, rule: Rule = Rule()) -> pd.Series:
     """Per row: whether the method stays within tolerance (accuracy rows need a full cache that scores)."""
     by_kl = frame["kl_mean_nats"].notna()
-    by_acc = (frame["full_accuracy"] > 0) & (frame["accuracy"] >= frame["full_accuracy"] - TOLERANCE_POINTS / 100)
-    return (by_kl & (frame["kl_mean_nats"] <= KL_SAFE)) | (~by_kl & by_acc)
+    by_acc = (frame["full_accuracy"] > 0) & (frame["accuracy"] >= frame["full_accuracy"] - rule.tolerance_points / 100)
+    return (by_kl & (frame["kl_mean_nats"] <= rule.kl_safe)) | (~by_kl & by_acc)
 
 
 def _label(r) -> str:
@@ -28,14 +34,14 @@ def _label(r) -> str:
     return f"{r.method}{budget} ({1 / r.kv_fraction_bf16:.1f}×)"
 
 
-def decision_table(dec: pd.DataFrame) -> pd.DataFrame:
+def decision_table(dec: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
     """One row per (model, shape, question mode): the safe methods, most compression first (each at its
     most compressed safe budget), the best compression reached, and the methods safe at no budget."""
     columns = ["model", "shape", "question mode", "full cache", "safe (most compression first)", "best safe compression",
-               f"safe at ≥ {TARGET:g}×", "not safe at any budget"]
+               f"safe at ≥ {rule.target:g}×", "not safe at any budget"]
     rows = []
     for (model, shape, mode), g in dec.groupby(["model", "shape", "question_mode"], sort=True):
-        g = g.assign(safe=safe(g))
+        g = g.assign(safe=safe(g, rule))
         prose = g["kl_mean_nats"].notna().all()
         full = "KL reference" if prose else f"{(g['full_accuracy'] * g['rows']).sum() / g['rows'].sum():.0%}"
         if not prose and (g["full_accuracy"] == 0).all():
@@ -44,7 +50,7 @@ def decision_table(dec: pd.DataFrame) -> pd.DataFrame:
         best = g[g["safe"]].sort_values("kv_fraction_bf16").groupby("method", sort=False).head(1)
         best = best.sort_values(["kv_fraction_bf16", "method"])
         unsafe = sorted(set(g["method"]) - set(best["method"]))
-        reach = best[1 / best["kv_fraction_bf16"] >= TARGET - 1e-9]
+        reach = best[1 / best["kv_fraction_bf16"] >= rule.target - 1e-9]
         rows.append([
             model, shape, mode, full,
             ", ".join(_label(r) for r in best.itertuples()) or "none",
@@ -96,7 +102,7 @@ ARTICLE = [
 ]
 
 
-def article_comparison(dec: pd.DataFrame) -> pd.DataFrame:
+def article_comparison(dec: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
     """Each testable statement of the article's decision table against this run: the rows it is about
     (methods × budgets, pooled over the listed question modes per method and budget) and whether the data
     agree. Safe statements agree when some such configuration is safe; 'not safe' statements when none is."""
@@ -117,7 +123,7 @@ def article_comparison(dec: pd.DataFrame) -> pd.DataFrame:
         if (g["full_accuracy"] == 0).all():
             out.append([workload, shape, ", ".join(modes), statement, "not measured", "the full cache scores 0% here"])
             continue
-        ok = safe(g)
+        ok = safe(g, rule)
         agrees = bool(ok.any()) if expect_safe else not bool(ok.any())
         evidence = "; ".join(
             f"{r.method}{'@' + format(r.budget, 'g') if r.budget < 1 else ''} {r.accuracy:.0%} vs full {r.full_accuracy:.0%}"
@@ -137,3 +143,8 @@ def c12_verdict(comparison: pd.DataFrame) -> tuple[str, str]:
     against = "; ".join(f"{r['article says']} ({r['our shape']})" for _, r in tested[tested["this run"] == "disagrees"].iterrows())
     return verdict, (f"{agree} of {len(tested)} testable statements agree with this run"
                      + (f"; disagree: {against}" if against else "") + f" ({len(comparison) - len(tested)} not measured).")
+
+
+def c12(q: dict, t) -> list[tuple[str, str, str]]:
+    """The claims table's verdict function for C12 (kvlab.report.claims)."""
+    return [("", *c12_verdict(article_comparison(q["decision"], t.rule)))]
