@@ -51,44 +51,40 @@ WHERE metric = 'none' AND question_mode = 'agnostic' AND method_kind IN ('kvpres
 GROUP BY ALL
 ORDER BY model, method, budget DESC, context_tokens;
 
--- name: decision
--- The decision table's input: per task shape, question mode, method and budget, accuracy beside the full
--- cache on the same answers (turns pooled), or per-token KL on prose; and the bytes stored as a fraction of
--- the full cache in bf16.
+-- name: answers
+-- Every compressed method's answers, one row per (sample, question mode, turn), beside the full cache's
+-- answer to the same prompt; on prose (no answers to score) each sample's per-token KL to the full cache (the
+-- mean over its teacher-forced tokens); and the bytes stored as a fraction of the full cache in bf16. The
+-- decision table and the statistical claims resample these rows by sample.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
-       avg(score) AS accuracy, avg(full_score) AS full_accuracy, count(*) AS rows,
-       avg(1 / compression_vs_bf16) AS kv_fraction_bf16, NULL::DOUBLE AS kl_mean_nats
+SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+       key_axis, value_axis, budget, sample_id, turn, score, full_score,
+       1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
-GROUP BY ALL
 UNION ALL BY NAME
-SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
-       count(*) AS rows, avg(1 / compression_vs_bf16) AS kv_fraction_bf16, avg(kl_vs_full) AS kl_mean_nats
+SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+       key_axis, value_axis, budget, sample_id, turn, 1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full
 FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
-GROUP BY ALL
-ORDER BY model, shape, question_mode, method, budget DESC;
+ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;
 
 -- name: versus_full
--- Each compressed variant against the full cache on the same samples: accuracy change in points.
+-- Each compressed variant's answers beside the full cache's answer to the same prompt (sample, question mode,
+-- turn), per task (and turn) and context length.
 WITH scored AS (
     SELECT *, task || CASE WHEN turn > 1 THEN ' · turn ' || turn ELSE '' END AS task_turn
     FROM eval WHERE metric <> 'none'
 ), reference AS (
-    SELECT model, task_turn, context_tokens, question_mode, avg(score) AS full_accuracy
-    FROM scored WHERE method_kind = 'full' GROUP BY ALL
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT e.model, e.task_turn AS task, e.context_tokens, e.question_mode, e.method, e.budget,
-       avg(e.score) AS accuracy, any_value(f.full_accuracy) AS full_accuracy,
-       100 * (avg(e.score) - any_value(f.full_accuracy)) AS delta_points, count(*) AS samples
-FROM scored e JOIN reference f USING (model, task_turn, context_tokens, question_mode)
-WHERE e.method_kind <> 'full'
-GROUP BY ALL
-ORDER BY e.model, task, e.context_tokens, e.question_mode, e.method, e.budget DESC;
+SELECT model, task_turn AS task, context_tokens, question_mode, method, budget, sample_id, turn, score, full_score
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+WHERE method_kind <> 'full'
+ORDER BY model, task, context_tokens, question_mode, method, budget DESC, sample_id;
 
 -- name: divergence
 -- Per-token KL(full ‖ method) and perplexity change along a teacher-forced path: the true continuation for

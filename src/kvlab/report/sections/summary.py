@@ -7,7 +7,7 @@ from kvlab.report.decision import Rule, decision_table
 from kvlab.report.html import esc
 
 TITLE = "Summary"
-QUERIES = ("decision",)
+QUERIES = ("answers",)
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
@@ -21,21 +21,24 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"{', '.join(sorted(acc['question_mode'].unique()))}"
     )
     items = []
-    for _, r in decision_table(q["decision"], rule).iterrows():
-        where, safe, reach = f"{r['shape']} ({r['question mode']})", r["safe (most compression first)"], r[f"safe at ≥ {rule.target:g}×"]
+    for _, r in decision_table(q["answers"], rule).iterrows():
+        where, safe = f"{r['shape']} ({r['question mode']})", r["safe (most compression first)"]
+        reach, open_ = r[f"safe at ≥ {rule.target:g}×"], r[f"inconclusive at ≥ {rule.target:g}×"]
+        pending = f"; inconclusive: {open_}" if open_ not in ("none", "") else ""
         if safe.startswith("—"):
             items.append(f"<li>{esc(where)}: the full cache itself scores 0% — nothing to judge.</li>")
         elif reach != "none":
-            items.append(f"<li>{esc(where)}: <b>{esc(reach)}</b></li>")
+            items.append(f"<li>{esc(where)}: <b>{esc(reach)}</b>{esc(pending)}</li>")
         else:
-            best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing safe at any budget)"
-            items.append(f"<li>{esc(where)}: none at ≥ {rule.target:g}×{esc(best)}</li>")
+            best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing decided safe at any budget)"
+            items.append(f"<li>{esc(where)}: none decided safe at ≥ {rule.target:g}×{esc(best + pending)}</li>")
     return (
         f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
         f"<p><b>The article's question — 40 GB → 10 GB, which method is safe on which task?</b> On this run, the "
-        f"methods that stored at most 1/{rule.target:g} of the full cache's bf16 bytes and stayed within "
-        f"{rule.tolerance_points:g} accuracy point of it (on prose: KL ≤ {rule.kl_safe:g} nat), by task shape and question "
-        f"mode (measured compression in brackets):</p><ul>{''.join(items)}</ul>"
-        "<p class='note'>The decision table below gives every safe method; the claims table gives each of the "
+        f"methods that stored at most 1/{rule.target:g} of the full cache's bf16 bytes and are decided safe: the "
+        f"one-sided 95% upper bound of their accuracy drop is at most {rule.tolerance_points:g} points (on prose: of "
+        f"their KL, {rule.kl_safe:g} nat), by task shape and question mode (measured compression in brackets). "
+        f"Methods the run's samples cannot decide are named as inconclusive, with n and their bounds:</p><ul>{''.join(items)}</ul>"
+        "<p class='note'>The decision table below gives every safe method and the rule; the claims table gives each of the "
         "study's claims its verdict.</p>"
     )
