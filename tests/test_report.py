@@ -133,11 +133,21 @@ def kl_rows(**kl) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def acc_rows(delta: float) -> pd.DataFrame:
-    """A hand-made quant_accuracy table: a 4-bit KIVI method over two tasks of 20 answers, `delta` points from full."""
-    return pd.DataFrame([{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
-                             "value_axis": "token", "budget": 1.0, "task": task, "correct": 18 + delta / 100 * 20,
-                             "full_correct": 18, "rows": 20} for task in ("a", "b")])
+def answers(kl: pd.DataFrame, delta: float | None, n: int = 40) -> pd.DataFrame:
+    """The answers query for the methods of a quant_kl table: n prose samples each around its KL (±10%, so the
+    bounds have width); with `delta`, 4-bit KIVI's answers on 2,000 prompts of two tasks, `delta` points from
+    the full cache's (90% right) on the same prompts."""
+    rows = [{"model": "m", "method": r.method, "scheme": r.scheme, "bits": r.bits, "key_axis": r.key_axis,
+             "value_axis": "token", "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
+             "turn": 1, "score": None, "full_score": None, "kl_vs_full": r.kl_mean_nats * (0.9 + 0.2 * i / (n - 1))}
+            for r in kl.itertuples() for i in range(n)]
+    if delta is not None:
+        m, lost = 2000, round(-delta / 100 * 2000)
+        rows += [{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
+                  "value_axis": "token", "budget": 1.0, "context_tokens": 512, "task": "ab"[i % 2], "sample_id": f"t{i}",
+                  "turn": 1, "score": 0.0 if i < lost else float(i < 0.9 * m), "full_score": float(i < 0.9 * m),
+                  "kl_vs_full": None} for i in range(m)]
+    return pd.DataFrame(rows)
 
 
 def test_pooled_accuracy_compares_methods_on_common_tasks():
@@ -151,40 +161,56 @@ def test_pooled_accuracy_compares_methods_on_common_tasks():
     assert common.loc["x", "accuracy"] == 1.0 and common.loc["y", "delta_points"] == -50
 
 
-def verdicts(kl, by_task) -> dict:
-    q = {"quant_kl": kl, "quant_accuracy": by_task}
+def verdicts(kl, delta) -> dict:
+    q = {"quant_kl": kl, "answers": answers(kl, delta)}
     return {claim.split()[0]: verdict for claim, verdict, _ in claim_verdicts([3, 4, 5, 10], q)}
 
 
 def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
     kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi4=("kivi", 4, "channel", 0.004),
                  kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
-    assert verdicts(kl, acc_rows(-0.5)) == {"C3": "holds", "C4": "holds", "C5": "holds", "C10": "holds"}
+    assert verdicts(kl, -0.5) == {"C3": "holds", "C4": "holds", "C5": "holds", "C10": "holds"}
 
 
 def test_quant_verdicts_fail_where_the_numbers_contradict_the_claims():
     kl = kl_rows(fp8=("fp8", 8, None, 0.05), kivi4=("kivi", 4, "channel", 0.004),
                  kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 0.3))
     kl["codes_vs_bf16"] = 4.0  # e.g. metadata not stored
-    assert verdicts(kl, acc_rows(-5.0)) == {"C3": "does not hold", "C4": "does not hold", "C5": "does not hold",
+    assert verdicts(kl, -5.0) == {"C3": "does not hold", "C4": "does not hold", "C5": "does not hold",
                                             "C10": "does not hold"}
 
 
 def test_quant_verdicts_say_not_measured_without_the_methods():
     kl = kl_rows(kivi2=("kivi", 2, "channel", 0.1))
-    assert set(verdicts(kl, acc_rows(0).iloc[0:0]).values()) == {"not measured"}
+    assert set(verdicts(kl, None).values()) == {"not measured"}
 
 
-def ev(method, shape, mode, budget, accuracy, full=1.0, depth=0.5, press=None, kind="kvpress", kwargs=None, rows=6):
+def ev(method, shape, mode, budget, accuracy, full=1.0, depth=0.5, press=None, kind="kvpress", kwargs=None, rows=100):
+    """`rows` answers of one eviction cell (the answers query): the first accuracy × rows right, and the full
+    cache's first full × rows; a sample is the same prompt for every method."""
     press = press or {"snapkv": "SnapKVPress", "pyramidkv": "PyramidKVPress", "stream": "StreamingLLMPress"}.get(method)
-    return {"model": "m", "shape": shape, "question_mode": mode, "method": method, "method_kind": kind,
-            "press": press if kind == "kvpress" else None, "wrapper": None,
+    base = {"model": "m", "shape": shape, "question_mode": mode, "method": method, "method_kind": kind,
+            "press": press if kind == "kvpress" else None, "wrapper": None, "scheme": None,
             "press_kwargs": json.dumps(kwargs or {}) if kind == "kvpress" else None, "budget": budget, "depth": depth,
-            "accuracy": accuracy, "full_accuracy": full, "rows": rows}
+            "context_tokens": 512, "turn": 2 if mode == "multi_turn" else 1, "kl_vs_full": None}
+    return [{**base, "sample_id": f"{shape}-{depth}-{i}", "score": float(i < round(accuracy * rows)),
+             "full_score": float(i < round(full * rows))} for i in range(rows)]
+
+
+def prose(method, n_sink, kl, n=20):
+    return [{"model": "m", "method": method, "method_kind": "kvpress", "press": "StreamingLLMPress", "wrapper": None,
+             "scheme": None, "press_kwargs": json.dumps({"n_sink": n_sink}), "budget": 0.25, "depth": None,
+             "context_tokens": 512, "question_mode": "agnostic", "shape": "prose", "turn": 1, "sample_id": f"p{i}",
+             "score": None, "full_score": None, "kl_vs_full": kl * (0.9 + 0.2 * i / (n - 1))} for i in range(n)]
+
+
+def eviction_verdicts(*cells) -> list[tuple[str, str, str]]:
+    rows = pd.DataFrame([r for cell in cells for r in cell], columns=ANSWER_COLUMNS)
+    return claim_verdicts([6, 7, 8, 11], {"answers": rows})
 
 
 def eviction_tables(snap_aware=1.0, snap_agnostic=0.0, second=0.0, h2o=0.0, outside=0.0, kl0=2.0, pyramid=0.5):
-    acc = pd.DataFrame([
+    out = eviction_verdicts(
         ev("snapkv", "single needle", "aware", 0.25, snap_aware),
         ev("snapkv", "single needle", "agnostic", 0.25, snap_agnostic),
         ev("snapkv", "multi-turn", "multi_turn", 0.25, second),
@@ -194,23 +220,15 @@ def eviction_tables(snap_aware=1.0, snap_agnostic=0.0, second=0.0, h2o=0.0, outs
         ev("h2o", "single needle", "aware", 0.25, h2o, kind="h2o"),
         ev("stream", "single needle", "agnostic", 0.25, outside, depth=0.1, kwargs={"n_sink": 4}),
         ev("stream", "single needle", "agnostic", 0.25, 1.0, depth=0.9, kwargs={"n_sink": 4}),
-    ])
-    kl = pd.DataFrame([
-        {"model": "m", "method": m, "method_kind": "kvpress", "press": "StreamingLLMPress", "wrapper": None,
-         "press_kwargs": json.dumps({"n_sink": n}), "budget": 0.25, "context_tokens": 512, "kl_mean_nats": k, "ppl": 1, "samples": 2}
-        for m, n, k in (("stream", 4, 0.5), ("stream0", 0, kl0))
-    ])
-    return {c.split()[0]: (v, e) for c, v, e in eviction_verdicts(acc, kl)}
-
-
-def eviction_verdicts(acc, kl) -> list[tuple[str, str, str]]:
-    return claim_verdicts([6, 7, 8, 11], {"eviction_accuracy": acc, "eviction_kl": kl})
+        prose("stream", 4, 0.5), prose("stream0", 0, kl0),
+    )
+    return {c.split()[0]: (v, e) for c, v, e in out}
 
 
 def test_eviction_verdicts_hold_on_a_table_that_shows_the_claims():
     out = eviction_tables()
     assert {k: v for k, (v, _) in out.items()} == {"C6": "holds", "C7": "holds", "C8": "holds", "C11": "holds"}
-    assert "question-aware 100% (full 100%, 6 answers)" in out["C6"][1]
+    assert "question-aware 100% (full 100%, 100 answers" in out["C6"][1]
     assert "needle outside the kept window 0%" in out["C8"][1] and "inside 100%" in out["C8"][1]
     assert "0.5: PyramidKV 50.0% vs SnapKV 50.0%" in out["C11"][1]
 
@@ -225,21 +243,19 @@ def test_eviction_verdicts_fail_where_the_numbers_contradict_the_claims(change, 
     assert all(v == "holds" for k, (v, _) in out.items() if k != claim)
 
 
-KL_COLUMNS = ["model", "method", "method_kind", "press", "wrapper", "press_kwargs", "budget", "context_tokens",
-              "kl_mean_nats", "ppl", "samples"]
+ANSWER_COLUMNS = ["model", "shape", "question_mode", "method", "method_kind", "press", "wrapper", "scheme", "press_kwargs",
+                  "budget", "depth", "context_tokens", "turn", "sample_id", "score", "full_score", "kl_vs_full"]
 
 
 def test_eviction_verdicts_cannot_judge_where_the_full_cache_fails():
-    acc = pd.DataFrame([ev("snapkv", "single needle", m, 0.25, 0.0, full=0.0) for m in ("aware", "agnostic")]
-                       + [ev("snapkv", "multi-turn", "multi_turn", 0.25, 0.0, full=0.0)])
-    (c6,) = [v for c, v, _ in eviction_verdicts(acc, pd.DataFrame(columns=KL_COLUMNS)) if c.startswith("C6")]
+    cells = [ev("snapkv", "single needle", m, 0.25, 0.0, full=0.0) for m in ("aware", "agnostic")]
+    (c6,) = [v for c, v, _ in eviction_verdicts(*cells, ev("snapkv", "multi-turn", "multi_turn", 0.25, 0.0, full=0.0))
+             if c.startswith("C6")]
     assert c6 == "not measured (the full cache scores 0% on these samples)"
 
 
 def test_eviction_verdicts_say_not_measured_without_the_methods():
-    empty = pd.DataFrame(columns=["model", "shape", "question_mode", "method", "method_kind", "press", "wrapper",
-                                  "press_kwargs", "budget", "depth", "accuracy", "full_accuracy", "rows"])
-    out = eviction_verdicts(empty, pd.DataFrame(columns=KL_COLUMNS))
+    out = eviction_verdicts()
     assert [v for _, v, _ in out] == ["not measured"] * 4
 
 

@@ -25,7 +25,7 @@ th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{backgrou
 details{margin:.3em 0 1em}td.long{text-align:left;min-width:28em;font-size:12px}section{margin-bottom:2em}.note{color:#555;font-size:13px}
 """
 
-# the key figures also written as files (for snakemake --report): name → its section's figure(q)
+# the key figures also written as files (for snakemake --report): name → its section's figure(q, rule)
 FIGURES = {"accuracy_vs_kv_bytes": accuracy.figure, "kl_vs_bits": quant.figure}
 
 
@@ -58,6 +58,6 @@ def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[s
     )
     for name, path in (figures or {}).items():
         with atomic_path(path) as tmp:
-            tmp.write_text(FIGURES[name](q), encoding="utf-8")
+            tmp.write_text(FIGURES[name](q, rule), encoding="utf-8")
     with atomic_path(out_path) as tmp:
         tmp.write_text(page, encoding="utf-8")

@@ -29,7 +29,7 @@ GROUP BY ALL ORDER BY model, shape, question_mode, method, budget DESC;
 
 -- name: eviction_accuracy
 -- Eviction methods by task shape, question mode, budget and needle depth, beside the full cache on the same
--- samples and turns; the claims C6, C7, C8 and C11 read this table.
+-- samples and turns (the claims C6, C7, C8 and C11 read the same answers, one row each, from `answers`).
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
@@ -61,13 +61,14 @@ reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
 SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
-       key_axis, value_axis, budget, sample_id, turn, score, full_score,
+       key_axis, value_axis, press_kwargs, budget, depth, sample_id, turn, score, full_score,
        1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
 UNION ALL BY NAME
 SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
-       key_axis, value_axis, budget, sample_id, turn, 1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full
+       key_axis, value_axis, press_kwargs, budget, depth, sample_id, turn, 1 / compression_vs_bf16 AS kv_fraction_bf16,
+       kl_vs_full
 FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
 ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;

@@ -71,8 +71,9 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> tuple[f
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def drop_bounds(full: np.ndarray, method: np.ndarray) -> Bounds:
-    """Mean per-sample accuracy drop (full − method, in points) with its paired bootstrap bounds.
+def drop_bounds(full: np.ndarray, method: np.ndarray, share: float = 1.0) -> Bounds:
+    """Mean per-sample accuracy drop (share × full − method, in points; share 1: the drop vs the full cache)
+    with its paired bootstrap bounds.
 
     Scores lie in [0, 1], so a sample that showed no disagreement still leaves room for some: one pseudo-sample
     lost and one gained are added before resampling (the idea of Agresti & Min's adjustment for paired
@@ -80,9 +81,9 @@ def drop_bounds(full: np.ndarray, method: np.ndarray) -> Bounds:
     it narrows as 1/√n."""
     f = np.append(np.asarray(full, float), [1.0, 0.0])
     m = np.append(np.asarray(method, float), [0.0, 1.0])
-    low, high = _bootstrap((f, m), lambda a, b, axis=-1: np.mean(a - b, axis=axis), paired=True)
-    d = 100 * (np.asarray(full, float) - np.asarray(method, float))
-    return Bounds(float(d.mean()), 100 * low, 100 * high, len(d), float(100 * np.std(f - m, ddof=1)))
+    low, high = _bootstrap((f, m), lambda a, b, axis=-1: np.mean(share * a - b, axis=axis), paired=True)
+    d = 100 * (share * np.asarray(full, float) - np.asarray(method, float))
+    return Bounds(float(d.mean()), 100 * low, 100 * high, len(d), float(100 * np.std(share * f - m, ddof=1)))
 
 
 def mean_bounds(values: np.ndarray, min_samples: int) -> Bounds:
@@ -94,3 +95,24 @@ def mean_bounds(values: np.ndarray, min_samples: int) -> Bounds:
         return Bounds(float(x.mean()) if len(x) else float("nan"), -np.inf, np.inf, len(x), sd, min_samples)
     low, high = _bootstrap((x,), lambda a, axis=-1: np.mean(a, axis=axis), paired=False)
     return Bounds(float(x.mean()), low, high, len(x), sd, min_samples)
+
+
+def at_most(b: Bounds, threshold: float) -> str:
+    """A claim 'mean ≤ threshold': holds when the upper bound is, does not hold when the lower bound exceeds it."""
+    return "holds" if b.high <= threshold else "does not hold" if b.low > threshold else "inconclusive"
+
+
+def at_least(b: Bounds, threshold: float) -> str:
+    """A claim 'mean ≥ threshold': holds when the lower bound is, does not hold when the upper bound is below."""
+    return "holds" if b.low >= threshold else "does not hold" if b.high < threshold else "inconclusive"
+
+
+def all_of(verdicts: list[str]) -> str:
+    """Claims joined by 'and': one that does not hold decides; all must hold to hold; else inconclusive."""
+    return "does not hold" if "does not hold" in verdicts else "holds" if all(v == "holds" for v in verdicts) else "inconclusive"
+
+
+def shown(b: Bounds, unit: str, digits: str = ".3g") -> str:
+    """'mean unit [low, high], n=…' (bounds as 'too few samples to bound it' under min_n)."""
+    bounds = f"[{b.low:{digits}}, {b.high:{digits}}]" if np.isfinite(b.high) else "(too few samples to bound it)"
+    return f"{b.mean:{digits}}{unit} {bounds}, n={b.n}"

@@ -5,16 +5,10 @@ import pandas as pd
 
 from kvlab.report.decision import Rule, cells
 from kvlab.report.html import svg, table
-from kvlab.report.stats import wilson
+from kvlab.report.tables import with_wilson
 
 TITLE = "Accuracy vs KV bytes"
 QUERIES = ("accuracy_bytes", "versus_full", "accuracy")
-
-
-def with_wilson(acc: pd.DataFrame, count: str = "rows") -> pd.DataFrame:
-    """The rows with their accuracy's Wilson 95% interval over the answers counted in `count`."""
-    bounds = [wilson(a * n, n) for a, n in zip(acc["accuracy"], acc[count])]
-    return acc.assign(accuracy_low=[b[0] for b in bounds], accuracy_high=[b[1] for b in bounds])
 
 
 def chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
@@ -34,7 +28,7 @@ def chart(acc: pd.DataFrame) -> alt.TopLevelMixin:
     )
 
 
-def figure(q: dict[str, pd.DataFrame]) -> str:
+def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return svg(chart(q["accuracy_bytes"]))
 
 
@@ -65,7 +59,7 @@ def safe_budgets(versus: pd.DataFrame, rule: Rule) -> str:
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return (
-        figure(q)
+        figure(q, rule)
         + "<p class='note'>x: bytes the method stored after compression over the full cache's bytes, both "
         "counted in bf16 (quantized codes and metadata as stored). Question agnostic: the context was compressed "
         "before the question was seen. Aware: the question was part of the compressed prompt (inside SnapKV's "

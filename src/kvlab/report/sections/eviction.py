@@ -5,11 +5,18 @@ import pandas as pd
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule
 from kvlab.report.html import esc, table, verdict_list
-from kvlab.report.verdicts.eviction import score
+from kvlab.report.tables import with_kl_bounds, with_wilson
 
 TITLE = "Eviction: which tokens survive"
 QUERIES = ("eviction_accuracy", "eviction_kl")
 CLAIMS = [6, 7, 8, 11]
+
+
+def _score(frame: pd.DataFrame) -> pd.Series:
+    """Accuracy and the full cache's accuracy on the same answers, weighted by rows; and the row count."""
+    n = frame["rows"].sum()
+    return pd.Series({"accuracy": (frame["accuracy"] * frame["rows"]).sum() / n,
+                      "full_accuracy": (frame["full_accuracy"] * frame["rows"]).sum() / n, "rows": int(n)})
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
@@ -23,14 +30,13 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         note = (f"<p class='note'>{esc(names)}: the press masks evicted keys per head and frees nothing — "
                 "stored tokens stay the prompt's, attended tokens drop to the budget (see the bytes section).</p>")
     pooled_modes = acc.groupby(["model", "shape", "question_mode", "method", "budget"], sort=False).apply(
-        lambda g: pd.Series(dict(zip(["accuracy", "full_accuracy", "rows"], score(g)))),
-        include_groups=False,
-    ).reset_index()
+        _score, include_groups=False).reset_index()
     return (
         "<p>Eviction compresses once, after the prompt part is prefilled (question-agnostic: the context alone; "
         "aware: context and question; multi_turn: the aware cache asked a later question about another needle). "
         "H2O also evicts at every decoding step. Positions: kept keys keep their rotation and decoding continues "
         "at the prompt's length, except for methods wrapped in KeyRerotationPress (StreamingLLM's own scheme: "
         "keys re-rotated to 0…n−1, decoding from n). Sliding-window layers (Gemma 3) are never compressed.</p>"
-        + verdict_list(verdicts(CLAIMS, q, rule)) + note + table(pooled_modes) + "<h3>On real prose</h3>" + table(kl)
+        + verdict_list(verdicts(CLAIMS, q, rule)) + note + table(with_wilson(pooled_modes)) + "<h3>On real prose</h3>"
+        + table(with_kl_bounds(kl, q["answers"], ["model", "method", "budget", "context_tokens"], rule.kl_min_samples))
     )

@@ -7,7 +7,7 @@ import pandas as pd
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule
 from kvlab.report.html import svg, table, verdict_list
-from kvlab.report.tables import pooled, where
+from kvlab.report.tables import pooled, where, with_kl_bounds, with_wilson
 
 TITLE = "Quantized KV caches"
 QUERIES = ("quant_kl", "quant_accuracy")
@@ -24,17 +24,30 @@ def _series(frame: pd.DataFrame) -> pd.Series:
 
 
 def kl_bits_chart(kl: pd.DataFrame) -> alt.TopLevelMixin:
-    """Per-token KL vs bits per element, one line per scheme, one panel per prefix length (no eviction)."""
-    data = kl[kl["budget"] == 1].assign(series=_series(kl[kl["budget"] == 1]), kl=lambda f: f["kl_mean_nats"].clip(lower=1e-6))
-    return alt.Chart(data).mark_line(point=True).encode(
-        x=alt.X("bits:Q", title="bits per element", scale=alt.Scale(type="log", base=2, domain=[2, 8])),
-        y=alt.Y("kl:Q", title="mean per-token KL vs full (nats)", scale=alt.Scale(type="log")),
-        color=alt.Color("series:N", title="scheme"), tooltip=["method", "bits", "kl_mean_nats", "delta_ppl"],
-    ).properties(width=320, height=220).facet(column=alt.Column("context_tokens:O", title="prefix tokens"))
+    """Per-token KL vs bits per element, one line per scheme, one panel per prefix length (no eviction), each
+    point with the bootstrap bounds of its mean over samples as a bar (where enough samples bound it)."""
+    data = kl[kl["budget"] == 1]
+    data = data.assign(series=_series(data), kl=data["kl_mean_nats"].clip(lower=1e-6),
+                       low=data["kl_low"].clip(lower=1e-6), high=data["kl_high"].clip(lower=1e-6))
+    x = alt.X("bits:Q", title="bits per element", scale=alt.Scale(type="log", base=2, domain=[2, 8]))
+    y = alt.Y("kl:Q", title="mean per-token KL vs full (nats)", scale=alt.Scale(type="log"))
+    line = alt.Chart().mark_line(point=True).encode(
+        x=x, y=y, color=alt.Color("series:N", title="scheme"),
+        tooltip=["method", "bits", "kl_mean_nats", "kl_low", "kl_high", "samples", "delta_ppl"],
+    )
+    bars = alt.Chart().mark_rule(opacity=0.6).encode(x=x, y=alt.Y("low:Q", scale=alt.Scale(type="log")), y2="high:Q",
+                                                     color="series:N")
+    return alt.layer(line, bars, data=data).properties(width=320, height=220).facet(
+        column=alt.Column("context_tokens:O", title="prefix tokens"))
 
 
-def figure(q: dict[str, pd.DataFrame]) -> str:
-    return svg(kl_bits_chart(q["quant_kl"]))
+def with_bounds(q: dict[str, pd.DataFrame], rule: Rule) -> pd.DataFrame:
+    """quant_kl with the bounds of each mean KL (bootstrap over samples, kvlab.report.stats)."""
+    return with_kl_bounds(q["quant_kl"], q["answers"], ["model", "method", "budget", "context_tokens"], rule.kl_min_samples)
+
+
+def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    return svg(kl_bits_chart(with_bounds(q, rule)))
 
 
 def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
@@ -51,7 +64,7 @@ def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
-    kl, by_task = q["quant_kl"], q["quant_accuracy"]
+    kl, by_task = with_bounds(q, rule), q["quant_accuracy"]
     if kl.empty and by_task.empty:
         return "<p>No quantized cache was configured in this run.</p>"
     hf = where(kl, scheme="hf_quanto", budget=1.0)
@@ -70,8 +83,11 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "decoded ones included, is stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
         "time, so every token attends to the cache as it is stored. Sliding-window layers (Gemma 3) are never "
         "quantized.</p>"
-        + verdict_list(verdicts(CLAIMS, q, rule)) + (figure(q) if not kl.empty else "") + table(kl)
+        + verdict_list(verdicts(CLAIMS, q, rule))
+        + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
+        f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
         + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
         + baseline + "<h3>Accuracy on the scored tasks</h3><p class='note'>All answers of the tasks each method ran "
-        "on, pooled (a method limited by its `tasks` list is scored on those only).</p>" + table(pooled(by_task))
+        "on, pooled (a method limited by its `tasks` list is scored on those only), with the Wilson 95% interval "
+        "over the answers.</p>" + table(with_wilson(pooled(by_task)))
     )
