@@ -43,7 +43,9 @@ def test_sections_and_queries_present(page):
     for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
         assert f"<h3>{sub}</h3>" in page
     assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
-    assert "C3 FP8 KL ≈ 1e-3 nat: holds" in page or "C3 FP8 KL ≈ 1e-3 nat: does not hold" in page
+    # the smoke preset has one prose sample per prefix: too few to bound a mean KL, so C3 can only be inconclusive
+    c3 = page[page.index("C3 FP8 KL ≈ 1e-3 nat: "):][:300]
+    assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ") and "nat (too few samples to bound it), n=1 at 256" in c3
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
     assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 13)} <= set(claims)
 

@@ -2,6 +2,9 @@
 (queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, decision.c12).
 
 The claims section lists every claim; the calibration, quantization and eviction sections list their own.
+Statistical claims (C3–C8, C11, C12) are decided from one-sided 95% bounds (kvlab.report.stats): holds, does
+not hold or inconclusive; C1, C2 (descriptive statistics of the calibration pass), C9 (arithmetic) and C10
+(bytes counted) are not sampled and are decided on their numbers.
 """
 
 from __future__ import annotations
