@@ -291,3 +291,17 @@ def calibration_tables(keys=6.0, values=2.0, massive=90.0, mass=0.38):
 ])
 def test_calibration_verdicts_follow_their_rules(change, expected):
     assert calibration_tables(**change) == expected
+
+
+def test_divergence_bounds_resample_samples_not_turns():
+    """Two turns of each of 12 samples: the bounds are over 12 samples; under kl_min_samples they stay blank."""
+    from kvlab.report.decision import Rule
+    from kvlab.report.sections.divergence import with_bounds
+
+    ids = [f"s{i // 2}" for i in range(24)]
+    kl = [0.01 * (1 + i // 2) for i in range(24)]
+    div = pd.DataFrame({"method": ["x", "y"], "kl_mean_nats": [sum(kl) / 24, 0.5], "kl_each": [kl, [0.5] * 4],
+                        "sample_each": [ids, ["a", "a", "b", "b"]]})
+    out = with_bounds(div, Rule()).set_index("method")
+    assert "kl_each" not in out and out.loc["x", "kl_low"] < out.loc["x", "kl_mean_nats"] < out.loc["x", "kl_high"]
+    assert out.loc["y"][["kl_low", "kl_high"]].isna().all()

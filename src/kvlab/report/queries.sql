@@ -89,7 +89,8 @@ ORDER BY model, task, context_tokens, question_mode, method, budget DESC, sample
 
 -- name: divergence
 -- Per-token KL(full ‖ method) and perplexity change along a teacher-forced path: the true continuation for
--- prose tasks (metric 'none'), the full cache's own answer elsewhere. Δ perplexity is paired by sample.
+-- prose tasks (metric 'none'), the full cache's own answer elsewhere. Δ perplexity is paired by sample. Each
+-- row's KL per answer and sample id (kl_each, sample_each) give its bounds (bootstrap over samples).
 WITH paired AS (
     SELECT e.*, f.ppl AS full_ppl
     FROM eval e JOIN eval f
@@ -99,7 +100,8 @@ WITH paired AS (
 SELECT model, task, CASE WHEN metric = 'none' THEN 'true continuation' ELSE 'full cache answer' END AS path,
        context_tokens, method, budget, question_mode,
        avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl) AS ppl,
-       avg(ppl - full_ppl) AS delta_ppl, avg(tf_tokens) AS tokens, count(*) AS samples
+       avg(ppl - full_ppl) AS delta_ppl, avg(tf_tokens) AS tokens, count(*) AS samples,
+       list(kl_vs_full ORDER BY sample_id, turn) AS kl_each, list(sample_id ORDER BY sample_id, turn) AS sample_each
 FROM paired WHERE method_kind <> 'full'
 GROUP BY ALL
 ORDER BY model, path DESC, task, context_tokens, question_mode, method, budget DESC;

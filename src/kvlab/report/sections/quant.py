@@ -59,7 +59,8 @@ def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
     out = two.pivot_table(index=["model", "key_axis", "value_axis"], columns="context_tokens", values="kl_mean_nats")
     out.columns = [f"KL @ {c} tokens" for c in out.columns]
     a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["budget"] == 1)], common_tasks=True)
-    a = a.set_index(["model", "key_axis", "value_axis"])[["accuracy", "full_accuracy", "delta_points", "tasks"]]
+    a = with_wilson(a).set_index(["model", "key_axis", "value_axis"])[
+        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "delta_points", "rows", "tasks"]]
     return out.join(a).reset_index().rename(columns={"key_axis": "keys per", "value_axis": "values per"})
 
 
