@@ -7,6 +7,7 @@ rule report:
         kl_vs_bits=report("results/figures/kl_vs_bits.svg", caption="../workflow/report_kl.rst", category="Figures"),
     params:
         title=config["report"]["title"],
+        decision=config["decision"],
     log:
         "logs/report.log",
     localrule: True

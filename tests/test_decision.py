@@ -3,20 +3,30 @@
 import pandas as pd
 import pytest
 
-from kvlab.report.build import _matches, cost_verdict
+from kvlab.report.claims import verdicts
 from kvlab.report.decision import article_comparison, c12_verdict, decision_table
+from kvlab.report.verdicts.cost import matches as _matches
 
 
 def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None, scheme=None, bits=None, press=None,
-        kind="kvpress", rows=6):
-    return {"model": "m", "shape": shape, "question_mode": mode, "method": method, "method_kind": kind, "press": press,
-            "wrapper": None, "scheme": scheme, "bits": bits, "key_axis": "channel" if scheme == "kivi" else None,
-            "budget": budget, "accuracy": accuracy if kl is None else None, "full_accuracy": full if kl is None else None,
-            "rows": rows, "kv_fraction_bf16": fraction if fraction is not None else budget, "kl_mean_nats": kl}
+        kind="kvpress", rows=200):
+    """`rows` samples of one cell of the answers query: the first accuracy × rows answers right (the full
+    cache's: the first full × rows), or on prose every sample at KL `kl`."""
+    base = {"model": "m", "shape": shape, "task": shape, "context_tokens": 512, "question_mode": mode, "method": method,
+            "method_kind": kind, "press": press, "wrapper": None, "scheme": scheme, "bits": bits,
+            "key_axis": "channel" if scheme == "kivi" else None, "value_axis": "token" if scheme == "kivi" else None,
+            "budget": budget, "turn": 1, "kv_fraction_bf16": fraction if fraction is not None else budget}
+    return [{**base, "sample_id": f"{shape}-{i}", "kl_vs_full": kl,
+             "score": None if kl is not None else float(i < round(accuracy * rows)),
+             "full_score": None if kl is not None else float(i < round(full * rows))} for i in range(rows)]
+
+
+def answers(*cells) -> pd.DataFrame:
+    return pd.DataFrame([r for cell in cells for r in cell])
 
 
 def test_decision_table_lists_safe_methods_at_their_most_compressed_budget():
-    dec = pd.DataFrame([
+    dec = answers(
         row("snapkv", "single needle", "aware", 0.5, 1.0, press="SnapKVPress"),
         row("snapkv", "single needle", "aware", 0.25, 1.0, press="SnapKVPress"),
         row("snapkv", "single needle", "aware", 0.1, 0.5, press="SnapKVPress"),  # outside tolerance
@@ -25,26 +35,26 @@ def test_decision_table_lists_safe_methods_at_their_most_compressed_budget():
         row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, fraction=0.35, scheme="kivi", bits=4, kind="quant"),
         row("kivi2", "prose", "agnostic", 1.0, None, kl=0.15, fraction=0.23, scheme="kivi", bits=2, kind="quant"),
         row("snapkv", "reasoning", "agnostic", 0.5, 0.0, full=0.0, press="SnapKVPress"),
-    ])
+    )
     t = decision_table(dec).set_index(["shape", "question mode"])
     needle = t.loc[("single needle", "aware")]
     assert needle["safe (most compression first)"] == "snapkv@0.25 (4.0×), kivi4 (2.9×)"
     assert needle["best safe compression"] == "4.0×" and needle["safe at ≥ 4×"] == "snapkv@0.25 (4.0×)"
-    assert needle["not safe at any budget"] == "h2o" and needle["full cache"] == "100%"
+    assert needle["unsafe at every budget"] == "h2o" and needle["full cache"] == "100% [98%, 100%], n=200"
     prose = t.loc[("prose", "agnostic")]
-    assert prose["safe (most compression first)"] == "kivi4 (2.9×)" and prose["not safe at any budget"] == "kivi2"
+    assert prose["safe (most compression first)"] == "kivi4 (2.9×)" and prose["unsafe at every budget"] == "kivi2"
     assert t.loc[("reasoning", "agnostic")]["safe (most compression first)"].startswith("— (the full cache scores 0%")
 
 
 def comparison_rows(int4=1.0, fp8_snap=1.0, h2o=0.2, mt_int4=1.0, mt_evict=0.0):
-    return pd.DataFrame([
+    return answers(
         row("kivi4", "single needle", "aware", 1.0, int4, scheme="kivi", bits=4, kind="quant"),
         row("snapkv_fp8", "single needle", "aware", 0.25, fp8_snap, scheme="fp8", bits=8, press="SnapKVPress", kind="quant"),
         row("h2o", "single needle", "aware", 0.25, h2o, kind="h2o"),
         row("kivi4", "multi-turn", "multi_turn", 1.0, mt_int4, scheme="kivi", bits=4, kind="quant"),
         row("snapkv", "multi-turn", "multi_turn", 0.25, mt_evict, press="SnapKVPress"),
         row("snapkv", "multi-turn", "agnostic", 0.25, mt_evict, press="SnapKVPress"),
-    ])
+    )
 
 
 def test_article_comparison_agrees_where_the_data_say_what_the_article_says():
@@ -76,6 +86,11 @@ def test_printed_figures_read_in_binary_or_decimal_units():
     assert not _matches("8.8 GB", 9_210_691_584)  # 8.58 GiB, 9.21 GB: neither prints as 8.8
 
 
+def cost_verdict(costs: pd.DataFrame) -> tuple[str, str, str]:
+    (out,) = verdicts([9], {"cost_article": costs})
+    return out
+
+
 def test_cost_verdict_names_the_figures_it_cannot_reproduce():
     from kvlab.kernels.accounting import article_cost_table
 
@@ -84,3 +99,22 @@ def test_cost_verdict_names_the_figures_it_cannot_reproduce():
     assert verdict == "does not hold" and "DeepSeek-V3 bf16: printed 8.8 GB" in evidence
     llama = rows[rows["model"] == "Llama-3.1-70B"]
     assert cost_verdict(llama)[1] == "holds"
+
+
+def test_decision_table_names_undecided_methods_inconclusive_not_safe():
+    """Two answers, both right for both caches: not enough to call the method safe at 4×."""
+    dec = answers(row("snapkv", "single needle", "aware", 0.25, 1.0, press="SnapKVPress", rows=2),
+                  row("h2o", "single needle", "aware", 0.25, 0.0, kind="h2o", rows=2))
+    needle = decision_table(dec).set_index(["shape", "question mode"]).loc[("single needle", "aware")]
+    assert needle["safe (most compression first)"] == "none" and needle["safe at ≥ 4×"] == "none"
+    assert needle["inconclusive at ≥ 4×"].startswith("h2o@0.25 (4.0×): 0% [0%, 66%] vs full 100%")
+    assert "snapkv@0.25 (4.0×): 100% [34%, 100%] vs full 100%, drop +0.0 pts" in needle["inconclusive at ≥ 4×"]
+    assert "n=2; ~" in needle["inconclusive at ≥ 4×"] and needle["unsafe at every budget"] == ""
+
+
+def test_article_comparison_is_inconclusive_on_too_few_samples():
+    few = answers(row("kivi4", "single needle", "aware", 1.0, 1.0, scheme="kivi", bits=4, kind="quant", rows=2))
+    out = article_comparison(few).set_index(["our shape", "article says"])["this run"]
+    assert out[("single needle", "INT4 KV is safe")] == "inconclusive"
+    verdict, evidence = c12_verdict(article_comparison(few))
+    assert verdict == "inconclusive" and "inconclusive: INT4 KV is safe (single needle)" in evidence

@@ -1,26 +1,81 @@
 """The article's decision table (§7.2), regenerated from this run's rows, and its comparison with the article.
 
-Input is the `decision` query: per (model, task shape, question mode, method, budget) the accuracy beside the
-full cache on the same answers, or, for prose, the per-token KL; and the bytes the method stored as a
-fraction of the full cache in bf16. A method is *safe* at a budget when it stays within `TOLERANCE_POINTS`
-accuracy points of the full cache (questions) or at most `KL_SAFE` nats per token (prose); the table lists,
-per shape and mode, the safe methods by the compression they reached.
+Input is the `answers` query: every compressed method's answers beside the full cache's on the same prompts,
+or, for prose, each sample's per-token KL; and the bytes the method stored as a fraction of the full cache in
+bf16. `cells` pools them per (model, task shape, question mode, method, budget) and decides each cell with
+the `Rule` from intervals (kvlab.report.stats): safe, unsafe or inconclusive. The table lists, per shape and
+mode, the methods decided safe by the compression they reached, and names the inconclusive ones as such.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import pandas as pd
 
-TOLERANCE_POINTS = 1.0  # "safe" = within this many accuracy points of the full cache on the same answers
-KL_SAFE = 0.01  # … or, on prose (no answers to score), per-token KL vs the full cache at most this (nats)
-TARGET = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
+from kvlab.report.stats import drop_bounds, mean_bounds, per_sample, wilson
 
 
-def safe(frame: pd.DataFrame) -> pd.Series:
-    """Per row: whether the method stays within tolerance (accuracy rows need a full cache that scores)."""
-    by_kl = frame["kl_mean_nats"].notna()
-    by_acc = (frame["full_accuracy"] > 0) & (frame["accuracy"] >= frame["full_accuracy"] - TOLERANCE_POINTS / 100)
-    return (by_kl & (frame["kl_mean_nats"] <= KL_SAFE)) | (~by_kl & by_acc)
+@dataclass(frozen=True)
+class Rule:
+    """When a compressed method is safe, and the compression the article asks for."""
+
+    tolerance_points: float = 5.0  # config.yaml `decision.tolerance_points` (this default is the schema's)
+    kl_safe: float = 0.01  # on prose (no answers to score): per-token KL vs the full cache at most this (nats)
+    kl_min_samples: int = 10  # fewer prose samples cannot bound a mean KL: inconclusive (kvlab.report.stats)
+    target: float = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
+
+
+NO_REFERENCE = "not judged (the full cache scores 0%)"
+DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "value_axis"]
+
+
+def judge(rows: pd.DataFrame, rule: Rule) -> dict:
+    """One cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
+    cache with its paired bootstrap bounds over samples, or on prose the mean per-sample KL with its bounds;
+    `n_to_decide` for an inconclusive cell (normal approximation, kvlab.report.stats)."""
+    out = {c: rows[c].iloc[0] for c in DESCRIBE if c in rows}
+    if "kv_fraction_bf16" in rows:
+        out["kv_fraction_bf16"] = rows["kv_fraction_bf16"].mean()
+    out["answers"], out["samples"] = len(rows), rows["sample_id"].nunique()
+    if "kl_vs_full" in rows and rows["kl_vs_full"].notna().all():
+        b, threshold = mean_bounds(per_sample(rows, ["kl_vs_full"])["kl_vs_full"], rule.kl_min_samples), rule.kl_safe
+        out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, decision=b.decide(threshold))
+    else:
+        s = per_sample(rows, ["score", "full_score"])
+        b, threshold = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy()), rule.tolerance_points
+        acc_low, acc_high = wilson(rows["score"].sum(), len(rows))
+        full_low, full_high = wilson(rows["full_score"].sum(), len(rows))
+        full = rows["full_score"].mean()
+        out.update(accuracy=rows["score"].mean(), accuracy_low=acc_low, accuracy_high=acc_high, full_accuracy=full,
+                   full_low=full_low, full_high=full_high, drop_points=b.mean, drop_low=b.low, drop_high=b.high,
+                   decision=b.decide(threshold) if full > 0 else NO_REFERENCE)
+    out["n_to_decide"] = b.n_to_decide(threshold) if out["decision"] == "inconclusive" else math.nan
+    return out
+
+
+def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
+    """`judge` per (by…, method, budget), in the rows' order."""
+    keys = [*by, "method", "budget"]
+    out = [{**dict(zip(keys, key)), **judge(g, rule)} for key, g in rows.groupby(keys, sort=False, dropna=False)]
+    return pd.DataFrame(out)
+
+
+def evidence(r) -> str:
+    """A cell's numbers in one phrase: n, the interval, and for an inconclusive cell the n that would decide it."""
+    if "kl_mean_nats" in r and not pd.isna(r["kl_mean_nats"]):
+        bounds = (f"bounds [{r['kl_low']:.3g}, {r['kl_high']:.3g}]" if math.isfinite(r["kl_high"])
+                  else "too few samples to bound it")
+        text = f"KL {r['kl_mean_nats']:.3g} nat, {bounds}, n={r['samples']}"
+    else:
+        text = (f"{r['accuracy']:.0%} [{r['accuracy_low']:.0%}, {r['accuracy_high']:.0%}] vs full {r['full_accuracy']:.0%}, "
+                f"drop {r['drop_points']:+.1f} pts, bounds [{r['drop_low']:+.1f}, {r['drop_high']:+.1f}], n={r['samples']}")
+    if r["decision"] == "inconclusive":
+        n = r["n_to_decide"]
+        text += (f"; ~{n:,.0f} samples to decide" if math.isfinite(n) else "; no n decides it" if n == math.inf
+                 else "; the n to decide needs a second sample")
+    return text
 
 
 def _label(r) -> str:
@@ -28,31 +83,42 @@ def _label(r) -> str:
     return f"{r.method}{budget} ({1 / r.kv_fraction_bf16:.1f}×)"
 
 
-def decision_table(dec: pd.DataFrame) -> pd.DataFrame:
-    """One row per (model, shape, question mode): the safe methods, most compression first (each at its
-    most compressed safe budget), the best compression reached, and the methods safe at no budget."""
+def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
+    """One row per (model, shape, question mode): the methods decided safe, most compression first (each at its
+    most compressed safe budget), the best compression reached, those safe at the target, those inconclusive
+    at the target (each at its most compressed undecided budget, with n, bounds and the n to decide) and the
+    methods unsafe at every budget."""
     columns = ["model", "shape", "question mode", "full cache", "safe (most compression first)", "best safe compression",
-               f"safe at ≥ {TARGET:g}×", "not safe at any budget"]
-    rows = []
-    for (model, shape, mode), g in dec.groupby(["model", "shape", "question_mode"], sort=True):
-        g = g.assign(safe=safe(g))
-        prose = g["kl_mean_nats"].notna().all()
-        full = "KL reference" if prose else f"{(g['full_accuracy'] * g['rows']).sum() / g['rows'].sum():.0%}"
-        if not prose and (g["full_accuracy"] == 0).all():
-            rows.append([model, shape, mode, full, "— (the full cache scores 0%: nothing to lose)", "", "", ""])
-            continue
-        best = g[g["safe"]].sort_values("kv_fraction_bf16").groupby("method", sort=False).head(1)
+               f"safe at ≥ {rule.target:g}×", f"inconclusive at ≥ {rule.target:g}×", "unsafe at every budget"]
+    out = []
+    for (model, shape, mode), g in rows.groupby(["model", "shape", "question_mode"], sort=True):
+        c = cells(g, rule, by=[])
+        prose = "accuracy" not in c
+        if prose:
+            full = "KL reference"
+        else:
+            answers = g.drop_duplicates(["sample_id", "question_mode", "turn"])  # the full cache's, once each
+            low, high = wilson(answers["full_score"].sum(), len(answers))
+            full = f"{answers['full_score'].mean():.0%} [{low:.0%}, {high:.0%}], n={answers['sample_id'].nunique()}"
+            if (c["full_accuracy"] == 0).all():
+                out.append([model, shape, mode, full, "— (the full cache scores 0%: nothing to lose)", "", "", "", ""])
+                continue
+        best = c[c["decision"] == "safe"].sort_values("kv_fraction_bf16").groupby("method", sort=False).head(1)
         best = best.sort_values(["kv_fraction_bf16", "method"])
-        unsafe = sorted(set(g["method"]) - set(best["method"]))
-        reach = best[1 / best["kv_fraction_bf16"] >= TARGET - 1e-9]
-        rows.append([
+        reach = best[1 / best["kv_fraction_bf16"] >= rule.target - 1e-9]
+        open_ = c[(c["decision"] == "inconclusive") & (1 / c["kv_fraction_bf16"] >= rule.target - 1e-9)
+                  & ~c["method"].isin(reach["method"])]
+        open_ = open_.sort_values(["kv_fraction_bf16", "method"]).groupby("method", sort=False).head(1)
+        unsafe = sorted(m for m, d in c.groupby("method")["decision"] if (d == "unsafe").all())
+        out.append([
             model, shape, mode, full,
             ", ".join(_label(r) for r in best.itertuples()) or "none",
             f"{1 / best['kv_fraction_bf16'].min():.1f}×" if len(best) else "",
             ", ".join(_label(r) for r in reach.itertuples()) or "none",
+            "; ".join(f"{_label(r)}: {evidence(r._asdict())}" for r in open_.itertuples()) or "none",
             ", ".join(unsafe),
         ])
-    return pd.DataFrame(rows, columns=columns)
+    return pd.DataFrame(out, columns=columns)
 
 
 # The article's §7.2 recommendations that this run can test, as (workload in the article, our shape and
@@ -96,44 +162,52 @@ ARTICLE = [
 ]
 
 
-def article_comparison(dec: pd.DataFrame) -> pd.DataFrame:
-    """Each testable statement of the article's decision table against this run: the rows it is about
-    (methods × budgets, pooled over the listed question modes per method and budget) and whether the data
-    agree. Safe statements agree when some such configuration is safe; 'not safe' statements when none is."""
+def article_comparison(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
+    """Each testable statement of the article's decision table against this run: the cells it is about
+    (methods × budgets, the listed question modes pooled by sample) and whether the data agree. A 'safe'
+    statement agrees when some such cell is decided safe and disagrees when all are decided unsafe; a 'not
+    safe' statement agrees when all are decided unsafe and disagrees when some is decided safe; anything
+    else is inconclusive."""
     out = []
     for workload, (shape, modes), statement, pick, expect_safe in ARTICLE:
-        rows = dec[(dec["shape"] == shape) & dec["question_mode"].isin(modes)]
-        rows = rows[pick(rows)] if len(rows) else rows
-        if rows.empty:
-            out.append([workload, shape, ", ".join(modes), statement, "not measured", "no matching method in this run"])
+        picked = rows[(rows["shape"] == shape) & rows["question_mode"].isin(modes)]
+        picked = picked[pick(picked)] if len(picked) else picked
+        where = [workload, shape, ", ".join(modes), statement]
+        if picked.empty:
+            out.append([*where, "not measured", "no matching method in this run"])
             continue
-        g = rows.assign(correct=rows["accuracy"] * rows["rows"], full_correct=rows["full_accuracy"] * rows["rows"])
-        g = g.groupby(["method", "budget"], sort=False).agg(
-            correct=("correct", "sum"), full_correct=("full_correct", "sum"), rows=("rows", "sum"),
-            kv_fraction_bf16=("kv_fraction_bf16", "mean"),
-        ).reset_index()
-        g["accuracy"], g["full_accuracy"] = g["correct"] / g["rows"], g["full_correct"] / g["rows"]
-        g["kl_mean_nats"] = float("nan")
-        if (g["full_accuracy"] == 0).all():
-            out.append([workload, shape, ", ".join(modes), statement, "not measured", "the full cache scores 0% here"])
+        c = cells(picked, rule, by=[])
+        if (c["full_accuracy"] == 0).all():
+            out.append([*where, "not measured", "the full cache scores 0% here"])
             continue
-        ok = safe(g)
-        agrees = bool(ok.any()) if expect_safe else not bool(ok.any())
-        evidence = "; ".join(
-            f"{r.method}{'@' + format(r.budget, 'g') if r.budget < 1 else ''} {r.accuracy:.0%} vs full {r.full_accuracy:.0%}"
-            for r in g.itertuples()
-        )
-        out.append([workload, shape, ", ".join(modes), statement, "agrees" if agrees else "disagrees", evidence])
+        safe, unsafe = (c["decision"] == "safe").any(), (c["decision"] == "unsafe").all()
+        if expect_safe:
+            verdict = "agrees" if safe else "disagrees" if unsafe else "inconclusive"
+        else:
+            verdict = "agrees" if unsafe else "disagrees" if safe else "inconclusive"
+        each = "; ".join(f"{r['method']}{'@' + format(r['budget'], 'g') if r['budget'] < 1 else ''} {r['decision']}: "
+                         f"{evidence(r)}" for _, r in c.iterrows())
+        out.append([*where, verdict, each])
     return pd.DataFrame(out, columns=["article's workload", "our shape", "question modes", "article says", "this run", "evidence"])
 
 
 def c12_verdict(comparison: pd.DataFrame) -> tuple[str, str]:
-    """C12: the decision table regenerated — holds when every testable statement of the article agrees."""
+    """C12: the decision table regenerated — holds when every testable statement of the article agrees, does not
+    hold when one disagrees, and is inconclusive otherwise."""
     tested = comparison[comparison["this run"] != "not measured"]
     if tested.empty:
         return "not measured", "no statement of the article's decision table could be tested"
-    agree = int((tested["this run"] == "agrees").sum())
-    verdict = "holds" if agree == len(tested) else "does not hold"
-    against = "; ".join(f"{r['article says']} ({r['our shape']})" for _, r in tested[tested["this run"] == "disagrees"].iterrows())
-    return verdict, (f"{agree} of {len(tested)} testable statements agree with this run"
-                     + (f"; disagree: {against}" if against else "") + f" ({len(comparison) - len(tested)} not measured).")
+    said = tested["this run"]
+    verdict = "does not hold" if (said == "disagrees").any() else "holds" if (said == "agrees").all() else "inconclusive"
+
+    def listed(what: str) -> str:
+        names = "; ".join(f"{r['article says']} ({r['our shape']})" for _, r in tested[said == what].iterrows())
+        return f"; {what}: {names}" if names else ""
+
+    return verdict, (f"{int((said == 'agrees').sum())} of {len(tested)} testable statements agree with this run"
+                     + listed("disagrees") + listed("inconclusive") + f" ({len(comparison) - len(tested)} not measured).")
+
+
+def c12(q: dict, t) -> list[tuple[str, str, str]]:
+    """The claims table's verdict function for C12 (kvlab.report.claims)."""
+    return [("", *c12_verdict(article_comparison(q["answers"], t.rule)))]

@@ -29,7 +29,7 @@ GROUP BY ALL ORDER BY model, shape, question_mode, method, budget DESC;
 
 -- name: eviction_accuracy
 -- Eviction methods by task shape, question mode, budget and needle depth, beside the full cache on the same
--- samples and turns; the claims C6, C7, C8 and C11 read this table.
+-- samples and turns (the claims C6, C7, C8 and C11 read the same answers, one row each, from `answers`).
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
@@ -51,48 +51,46 @@ WHERE metric = 'none' AND question_mode = 'agnostic' AND method_kind IN ('kvpres
 GROUP BY ALL
 ORDER BY model, method, budget DESC, context_tokens;
 
--- name: decision
--- The decision table's input: per task shape, question mode, method and budget, accuracy beside the full
--- cache on the same answers (turns pooled), or per-token KL on prose; and the bytes stored as a fraction of
--- the full cache in bf16.
+-- name: answers
+-- Every compressed method's answers, one row per (sample, question mode, turn), beside the full cache's
+-- answer to the same prompt; on prose (no answers to score) each sample's per-token KL to the full cache (the
+-- mean over its teacher-forced tokens); and the bytes stored as a fraction of the full cache in bf16. The
+-- decision table and the statistical claims resample these rows by sample.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
-       avg(score) AS accuracy, avg(full_score) AS full_accuracy, count(*) AS rows,
-       avg(1 / compression_vs_bf16) AS kv_fraction_bf16, NULL::DOUBLE AS kl_mean_nats
+SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+       key_axis, value_axis, press_kwargs, budget, depth, sample_id, turn, score, full_score,
+       1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
-GROUP BY ALL
 UNION ALL BY NAME
-SELECT model, shape, question_mode, method, method_kind, press, wrapper, scheme, bits, key_axis, budget,
-       count(*) AS rows, avg(1 / compression_vs_bf16) AS kv_fraction_bf16, avg(kl_vs_full) AS kl_mean_nats
+SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+       key_axis, value_axis, press_kwargs, budget, depth, sample_id, turn, 1 / compression_vs_bf16 AS kv_fraction_bf16,
+       kl_vs_full
 FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
-GROUP BY ALL
-ORDER BY model, shape, question_mode, method, budget DESC;
+ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;
 
 -- name: versus_full
--- Each compressed variant against the full cache on the same samples: accuracy change in points.
+-- Each compressed variant's answers beside the full cache's answer to the same prompt (sample, question mode,
+-- turn), per task (and turn) and context length.
 WITH scored AS (
     SELECT *, task || CASE WHEN turn > 1 THEN ' · turn ' || turn ELSE '' END AS task_turn
     FROM eval WHERE metric <> 'none'
 ), reference AS (
-    SELECT model, task_turn, context_tokens, question_mode, avg(score) AS full_accuracy
-    FROM scored WHERE method_kind = 'full' GROUP BY ALL
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT e.model, e.task_turn AS task, e.context_tokens, e.question_mode, e.method, e.budget,
-       avg(e.score) AS accuracy, any_value(f.full_accuracy) AS full_accuracy,
-       100 * (avg(e.score) - any_value(f.full_accuracy)) AS delta_points, count(*) AS samples
-FROM scored e JOIN reference f USING (model, task_turn, context_tokens, question_mode)
-WHERE e.method_kind <> 'full'
-GROUP BY ALL
-ORDER BY e.model, task, e.context_tokens, e.question_mode, e.method, e.budget DESC;
+SELECT model, task_turn AS task, context_tokens, question_mode, method, budget, sample_id, turn, score, full_score
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+WHERE method_kind <> 'full'
+ORDER BY model, task, context_tokens, question_mode, method, budget DESC, sample_id;
 
 -- name: divergence
 -- Per-token KL(full ‖ method) and perplexity change along a teacher-forced path: the true continuation for
--- prose tasks (metric 'none'), the full cache's own answer elsewhere. Δ perplexity is paired by sample.
+-- prose tasks (metric 'none'), the full cache's own answer elsewhere. Δ perplexity is paired by sample. Each
+-- row's KL per answer and sample id (kl_each, sample_each) give its bounds (bootstrap over samples).
 WITH paired AS (
     SELECT e.*, f.ppl AS full_ppl
     FROM eval e JOIN eval f
@@ -102,7 +100,8 @@ WITH paired AS (
 SELECT model, task, CASE WHEN metric = 'none' THEN 'true continuation' ELSE 'full cache answer' END AS path,
        context_tokens, method, budget, question_mode,
        avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl) AS ppl,
-       avg(ppl - full_ppl) AS delta_ppl, avg(tf_tokens) AS tokens, count(*) AS samples
+       avg(ppl - full_ppl) AS delta_ppl, avg(tf_tokens) AS tokens, count(*) AS samples,
+       list(kl_vs_full ORDER BY sample_id, turn) AS kl_each, list(sample_id ORDER BY sample_id, turn) AS sample_each
 FROM paired WHERE method_kind <> 'full'
 GROUP BY ALL
 ORDER BY model, path DESC, task, context_tokens, question_mode, method, budget DESC;

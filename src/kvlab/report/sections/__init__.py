@@ -1,0 +1,30 @@
+"""The report's sections, in page order: one module each, with its TITLE, the QUERIES (queries.sql) shown
+under it and body(q, rule) -> HTML, where q maps every query's name to its rows and rule is the decision rule.
+
+Adding a section: a module here and one line in SECTIONS.
+"""
+
+from kvlab.report.sections import (
+    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, decision, divergence, engine,
+    eviction, kernels, models, provenance, quant, summary, tasks, throughput,
+)
+
+SECTIONS = [
+    summary,
+    claims,
+    decision,
+    accuracy,
+    eviction,
+    calibration,
+    quant,
+    divergence,
+    throughput,
+    kernels,
+    engine,
+    cost_article,
+    cost_models,
+    bytes_measured,
+    models,
+    tasks,
+    provenance,
+]

@@ -1,0 +1,33 @@
+"""Per-token KL to the full cache and the change in perplexity, along a teacher-forced path."""
+
+import numpy as np
+import pandas as pd
+
+from kvlab.report.decision import Rule
+from kvlab.report.html import table
+from kvlab.report.stats import mean_bounds, per_sample
+
+TITLE = "Divergence from the full cache"
+QUERIES = ("divergence",)
+
+
+def with_bounds(div: pd.DataFrame, rule: Rule) -> pd.DataFrame:
+    """The rows with the bounds of each mean KL over samples (a sample's turns averaged first), blank where too
+    few samples bound it; the per-answer lists dropped."""
+    low, high = [], []
+    for kl, ids in zip(div["kl_each"], div["sample_each"]):
+        each = pd.DataFrame({"kl_vs_full": list(kl), "sample_id": list(ids)})
+        b = mean_bounds(per_sample(each, ["kl_vs_full"])["kl_vs_full"], rule.kl_min_samples)
+        low.append(b.low if np.isfinite(b.high) else np.nan)
+        high.append(b.high if np.isfinite(b.high) else np.nan)
+    return div.drop(columns=["kl_each", "sample_each"]).assign(kl_low=low, kl_high=high)
+
+
+def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    return (
+        "<p>Per-token KL(full ‖ method) in nats, averaged over the teacher-forced path, and the change in "
+        "perplexity on it. On prose the path is the text's true continuation; on question tasks it is the "
+        "full cache's own answer, so the KL says how far a method's next-token distribution drifts where "
+        "the uncompressed model was going. kl_low, kl_high: one-sided 95% bounds of the mean KL (bootstrap over "
+        f"samples; blank under {rule.kl_min_samples} samples).</p>" + table(with_bounds(q["divergence"], rule))
+    )

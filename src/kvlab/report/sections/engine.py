@@ -1,0 +1,22 @@
+"""Wall time of the same grid by kvlab's engine and by kvpress's pipeline, and their agreement."""
+
+import pandas as pd
+
+from kvlab.report.decision import Rule
+from kvlab.report.html import table
+
+TITLE = "Engine vs kvpress pipeline"
+QUERIES = ("engine_vs_pipeline",)
+
+
+def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    return (
+        "<p>The same samples, variants and question modes. kvlab's engine prefills each sample once "
+        "(the question-aware prefill continues the agnostic one), compresses a copy of the cache per variant "
+        "and decodes all variants as one batch; kvpress's pipeline prefills, compresses and decodes once per "
+        "variant and mode (aware: the question inside the compressed context). Both produce answers only "
+        "here (the engine's teacher-forced KL pass is off). The agnostic-only columns compare that mode "
+        "alone. Agreement is the fraction of identical answers; in the aware mode the pipeline tokenizes "
+        "context and question as one string, so a token at their boundary may differ.</p>"
+        + table(q["engine_vs_pipeline"])
+    )

@@ -1,0 +1,94 @@
+"""Quantized caches: C3, C4, C5 and C10, KL vs bits on prose, the 2-bit ablation, transformers' baseline and
+accuracy on the scored tasks."""
+
+import altair as alt
+import pandas as pd
+
+from kvlab.report.claims import verdicts
+from kvlab.report.decision import Rule
+from kvlab.report.html import svg, table, verdict_list
+from kvlab.report.tables import pooled, where, with_kl_bounds, with_wilson
+
+TITLE = "Quantized KV caches"
+QUERIES = ("quant_kl", "quant_accuracy")
+CLAIMS = [3, 4, 5, 10]
+
+
+def _series(frame: pd.DataFrame) -> pd.Series:
+    """A label per storage layout: the scheme, with KIVI's axes when they are not KIVI's own."""
+    def label(r) -> str:
+        if r.scheme == "kivi" and (r.key_axis, r.value_axis) != ("channel", "token"):
+            return f"kivi (keys per {r.key_axis}, values per {r.value_axis})"
+        return str(r.scheme)
+    return frame.apply(label, axis=1)
+
+
+def kl_bits_chart(kl: pd.DataFrame) -> alt.TopLevelMixin:
+    """Per-token KL vs bits per element, one line per scheme, one panel per prefix length (no eviction), each
+    point with the bootstrap bounds of its mean over samples as a bar (where enough samples bound it)."""
+    data = kl[kl["budget"] == 1]
+    data = data.assign(series=_series(data), kl=data["kl_mean_nats"].clip(lower=1e-6),
+                       low=data["kl_low"].clip(lower=1e-6), high=data["kl_high"].clip(lower=1e-6))
+    x = alt.X("bits:Q", title="bits per element", scale=alt.Scale(type="log", base=2, domain=[2, 8]))
+    y = alt.Y("kl:Q", title="mean per-token KL vs full (nats)", scale=alt.Scale(type="log"))
+    line = alt.Chart().mark_line(point=True).encode(
+        x=x, y=y, color=alt.Color("series:N", title="scheme"),
+        tooltip=["method", "bits", "kl_mean_nats", "kl_low", "kl_high", "samples", "delta_ppl"],
+    )
+    bars = alt.Chart().mark_rule(opacity=0.6).encode(x=x, y=alt.Y("low:Q", scale=alt.Scale(type="log")), y2="high:Q",
+                                                     color="series:N")
+    return alt.layer(line, bars, data=data).properties(width=320, height=220).facet(
+        column=alt.Column("context_tokens:O", title="prefix tokens"))
+
+
+def with_bounds(q: dict[str, pd.DataFrame], rule: Rule) -> pd.DataFrame:
+    """quant_kl with the bounds of each mean KL (bootstrap over samples, kvlab.report.stats)."""
+    return with_kl_bounds(q["quant_kl"], q["answers"], ["model", "method", "budget", "context_tokens"], rule.kl_min_samples)
+
+
+def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    return svg(kl_bits_chart(with_bounds(q, rule)))
+
+
+def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
+    """The article's KIVI table shape: 2-bit KIVI by key axis × value axis, KL per prefix and accuracy on the
+    tasks all four ran on."""
+    two = kl[(kl["scheme"] == "kivi") & (kl["bits"] == 2) & (kl["budget"] == 1)]
+    if two.empty:
+        return pd.DataFrame()
+    out = two.pivot_table(index=["model", "key_axis", "value_axis"], columns="context_tokens", values="kl_mean_nats")
+    out.columns = [f"KL @ {c} tokens" for c in out.columns]
+    a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["budget"] == 1)], common_tasks=True)
+    a = with_wilson(a).set_index(["model", "key_axis", "value_axis"])[
+        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "delta_points", "rows", "tasks"]]
+    return out.join(a).reset_index().rename(columns={"key_axis": "keys per", "value_axis": "values per"})
+
+
+def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    kl, by_task = with_bounds(q, rule), q["quant_accuracy"]
+    if kl.empty and by_task.empty:
+        return "<p>No quantized cache was configured in this run.</p>"
+    hf = where(kl, scheme="hf_quanto", budget=1.0)
+    ours = where(kl, scheme="kivi", key_axis="channel", value_axis="token", budget=1.0)
+    versus = ours.merge(hf, on=["model", "bits", "context_tokens"], suffixes=("", "_hf"))
+    baseline = ""
+    if not versus.empty:
+        versus = versus.assign(times_lower=versus["kl_mean_nats_hf"] / versus["kl_mean_nats"])[
+            ["model", "bits", "context_tokens", "method", "kl_mean_nats", "method_hf", "kl_mean_nats_hf", "times_lower"]]
+        baseline = "<h3>Against transformers' QuantizedCache (same bits, G and R)</h3>" + table(versus)
+    ablation = ablation_table(kl, by_task)
+    return (
+        "<p>Packed codes inside generation: prefill attention is exact, then each full-attention layer keeps "
+        "codes + metadata + a full-precision residual (KIVI: the newest R tokens; a key group is quantized once, "
+        "when its G tokens are complete). FP8 and INT8 keep no residual unless one is configured: every token, "
+        "decoded ones included, is stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
+        "time, so every token attends to the cache as it is stored. Sliding-window layers (Gemma 3) are never "
+        "quantized.</p>"
+        + verdict_list(verdicts(CLAIMS, q, rule))
+        + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
+        f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
+        + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
+        + baseline + "<h3>Accuracy on the scored tasks</h3><p class='note'>All answers of the tasks each method ran "
+        "on, pooled (a method limited by its `tasks` list is scored on those only), with the Wilson 95% interval "
+        "over the answers.</p>" + table(with_wilson(pooled(by_task)))
+    )

@@ -1,0 +1,44 @@
+"""The grid in one sentence, then the article's question answered per task shape and question mode: which
+methods reach ≥ the target's fewer bytes than bf16 and stay safe (the decision table's rule)."""
+
+import pandas as pd
+
+from kvlab.report.decision import Rule, decision_table
+from kvlab.report.html import esc
+
+TITLE = "Summary"
+QUERIES = ("answers",)
+
+
+def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    models, acc = q["models"], q["accuracy"]
+    names = ", ".join(models["name"])
+    grid = (
+        f"tasks {', '.join(sorted(acc['task'].unique()))}; context {', '.join(map(str, sorted(acc['context_tokens'].unique())))} "
+        f"tokens; methods {', '.join(sorted(acc['method'].unique()))}; budgets "
+        f"{', '.join(f'{b:g}' for b in sorted(acc.loc[acc['budget'] < 1, 'budget'].unique(), reverse=True))} of the KV cache kept; "
+        f"question modes "
+        f"{', '.join(sorted(acc['question_mode'].unique()))}"
+    )
+    items = []
+    for _, r in decision_table(q["answers"], rule).iterrows():
+        where, safe = f"{r['shape']} ({r['question mode']})", r["safe (most compression first)"]
+        reach, open_ = r[f"safe at ≥ {rule.target:g}×"], r[f"inconclusive at ≥ {rule.target:g}×"]
+        pending = f"; inconclusive: {open_}" if open_ not in ("none", "") else ""
+        if safe.startswith("—"):
+            items.append(f"<li>{esc(where)}: the full cache itself scores 0% — nothing to judge.</li>")
+        elif reach != "none":
+            items.append(f"<li>{esc(where)}: <b>{esc(reach)}</b>{esc(pending)}</li>")
+        else:
+            best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing decided safe at any budget)"
+            items.append(f"<li>{esc(where)}: none decided safe at ≥ {rule.target:g}×{esc(best + pending)}</li>")
+    return (
+        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
+        f"<p><b>The article's question — 40 GB → 10 GB, which method is safe on which task?</b> On this run, the "
+        f"methods that stored at most 1/{rule.target:g} of the full cache's bf16 bytes and are decided safe: the "
+        f"one-sided 95% upper bound of their accuracy drop is at most {rule.tolerance_points:g} points (on prose: of "
+        f"their KL, {rule.kl_safe:g} nat), by task shape and question mode (measured compression in brackets). "
+        f"Methods the run's samples cannot decide are named as inconclusive, with n and their bounds:</p><ul>{''.join(items)}</ul>"
+        "<p class='note'>The decision table below gives every safe method and the rule; the claims table gives each of the "
+        "study's claims its verdict.</p>"
+    )

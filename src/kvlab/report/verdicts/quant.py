@@ -1,0 +1,76 @@
+"""C3, C4 and C5 from the quantized caches' answers (the answers query: per-sample prose KL, paired task
+answers), decided from intervals (kvlab.report.stats); C10 from quant_kl's stored bytes. No eviction (budget 1)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample, shown, wilson
+from kvlab.report.tables import where
+
+
+def _prose(q: dict) -> pd.DataFrame:
+    a = q["answers"]
+    return a[a["kl_vs_full"].notna() & (a["budget"] == 1)]
+
+
+def _kl_cells(rows: pd.DataFrame, t) -> list[tuple[str, int, object]]:
+    """(method, prefix tokens, bounds of the mean per-sample KL) per method and prefix length."""
+    return [(method, ctx, mean_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"], t.rule.kl_min_samples))
+            for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
+
+
+def _each(cells) -> str:
+    return "; ".join(f"{m} {shown(b, ' nat')} at {ctx} tokens" for m, ctx, b in cells)
+
+
+def c3(q: dict, t) -> list[tuple[str, str, str]]:
+    """FP8's mean per-token KL on prose at most `t.kl` at every prefix length (upper bound)."""
+    fp8 = _kl_cells(where(_prose(q), scheme="fp8"), t)
+    if not fp8:
+        return [("", "not measured", "no fp8 method in this run")]
+    return [("", all_of([at_most(b, t.kl) for _, _, b in fp8]), f"{_each(fp8)}.")]
+
+
+def c4(q: dict, t) -> list[tuple[str, str, str]]:
+    """2-bit KIVI: keys per channel at most `t.holds_kl`, keys per token at least `t.collapse_kl` (bounds)."""
+    prose = _prose(q)
+    chan = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="channel", value_axis="token"), t)
+    tok = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="token", value_axis="token"), t)
+    if not chan or not tok:
+        return [("", "not measured", "needs 2-bit kivi with key_axis channel and token")]
+    verdict = all_of([at_most(b, t.holds_kl) for *_, b in chan] + [at_least(b, t.collapse_kl) for *_, b in tok])
+    return [("", verdict, f"keys per channel: {_each(chan)}; keys per token: {_each(tok)}.")]
+
+
+def c5(q: dict, t) -> list[tuple[str, str, str]]:
+    """4-bit KIVI's accuracy, all its answers pooled, within `t.points` of the full cache's on the same prompts:
+    holds when both bounds of the drop lie within ± points, does not hold when one bound lies beyond."""
+    a = q["answers"]
+    int4 = where(a[a["score"].notna() & (a["budget"] == 1)], scheme="kivi", bits=4, key_axis="channel", value_axis="token")
+    if int4.empty:
+        return [("", "not measured", "no 4-bit kivi method scored on tasks")]
+    method = sorted(int4["method"].unique())[0]
+    rows = int4[int4["method"] == method]
+    s = per_sample(rows, ["score", "full_score"])
+    b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy())
+    verdict = ("holds" if -t.points <= b.low and b.high <= t.points
+               else "does not hold" if b.low > t.points or b.high < -t.points else "inconclusive")
+    low, high = wilson(rows["score"].sum(), len(rows))
+    return [("", verdict,
+             f"{method}: {rows['score'].mean():.1%} [{low:.1%}, {high:.1%}] vs full {rows['full_score'].mean():.1%} over "
+             f"{len(rows)} scored answers ({', '.join(sorted(rows['task'].unique()))}; question modes and turns pooled), "
+             f"Δ {-b.mean:+.1f} points; drop bounds [{b.low:+.1f}, {b.high:+.1f}] over {b.n} samples.")]
+
+
+def c10(q: dict, t) -> list[tuple[str, str, str]]:
+    """4-bit KIVI's codes + metadata give `t.ratio` (± `t.slack`) over bf16: bytes counted, not sampled."""
+    kl = q["quant_kl"]
+    int4 = where(kl[kl["budget"] == 1], scheme="kivi", bits=4, key_axis="channel", value_axis="token")
+    if int4.empty:
+        return [("", "not measured", "no 4-bit kivi method on prose")]
+    r = int4.iloc[0]
+    return [("", "holds" if abs(r.codes_vs_bf16 - t.ratio) <= t.slack else "does not hold",
+             f"{r.method}: stored codes + metadata give {r.codes_vs_bf16:.3f}× over bf16 for the quantized tokens "
+             f"(measured from the tensors); the whole cache at {r.context_tokens} tokens, with its full-precision "
+             f"residual, {r.compression_vs_bf16:.2f}×.")]
