@@ -97,11 +97,12 @@ def test_report_written_from_the_run(smoke_run):
 
 
 def test_evaluate_logs_show_progress_per_sample(smoke_run):
-    """Each evaluate job logs a line per sample: samples done of all, rows, rows per second, time left."""
+    """Each evaluate job logs a line per batch of samples: samples done of all, rows, rows per second, time left."""
     log = (smoke_run / "logs" / "evaluate" / "tiny-qwen2" / "niah_single" / "512.log").read_text()
     lines = re.findall(r"sample (\d+)/(\d+): (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, ~\d+ s left", log)
-    assert [(int(a), int(b)) for a, b, _ in lines] == [(1, 2), (2, 2)]
-    assert int(lines[0][2]) < int(lines[1][2])
+    done = [(int(a), int(b)) for a, b, _ in lines]
+    assert done and done[-1] == (2, 2) and all(a < b for (a, _), (b, _) in zip(done, done[1:]))
+    assert int(lines[-1][2]) > 0
 
 
 def test_second_run_has_nothing_to_do(smoke_run):

@@ -3,6 +3,7 @@
 import copy
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from transformers import DynamicCache
@@ -569,3 +570,34 @@ def test_first_divergence_finds_the_first_other_choice():
 
     choice = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 2], [5, 6, 8]])
     assert first_divergence(choice, [5, 6, 7]) == [None, 1, 0, 2]
+
+
+def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
+    """decode_references: full caches of different prompts (different lengths, tails and positions) decoded
+    together give each one's own greedy answer."""
+    from kvlab.engine import decode_references
+
+    tokenizer = tiny[1]
+    requests = []
+    for seed, ctx in ((1, 500), (2, 620), (3, 560)):
+        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        base = prefill(sharp, s.prompt.context)
+        requests.append((base.cache, s.prompt.question + s.prompt.suffix, base.length))
+    together = decode_references(sharp, requests, 12)
+    alone = [greedy_decode(sharp, [cache], tail, start, 12)[0] for cache, tail, start in requests]
+    assert together == alone and len({tuple(a) for a in alone}) == 3
+
+
+def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
+    """evaluate_samples over several samples (references decoded as one batch) gives each sample's rows as
+    evaluating it alone does, apart from the time columns."""
+    from kvlab.engine import evaluate_samples
+
+    tokenizer = tiny[1]
+    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
+    samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
+    timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
+    together = evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8)
+    alone = [r for s in samples for r in evaluate_sample(sharp, tokenizer, s, grid, ["agnostic", "aware", "multi_turn"], 8)]
+    assert len(samples) == 2 and {r["turn"] for r in together} == {1, 2}
+    pd.testing.assert_frame_equal(pd.DataFrame(together).drop(columns=timing), pd.DataFrame(alone).drop(columns=timing))

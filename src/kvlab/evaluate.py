@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kvlab.engine import evaluate_sample
+from kvlab.engine import evaluate_samples
 from kvlab.hardware import device_name
 from kvlab.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
@@ -38,6 +38,13 @@ def load_model(model_dir: str | Path, dtype: str, device: str):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
     model = model.to(device).eval()
     return model, tokenizer
+
+
+def samples_at_once(context_tokens: int) -> int:
+    """Samples evaluated together (their full-cache answers decoded as one batch): as many as hold 8K context
+    tokens, so that their prefills' captured attention inputs (kept until every variant is compressed) stay
+    within a few GB."""
+    return max(1, 8192 // context_tokens)
 
 
 def progress(done: int, total: int, rows: int, elapsed: float) -> str:
@@ -68,11 +75,14 @@ def run_job(
     log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
     rows = []
     t0 = time.perf_counter()
-    with tqdm(samples, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
-        for done, sample in enumerate(bar, start=1):
-            rows.extend(evaluate_sample(model, tokenizer, sample, grid, run["question_modes"], max_new_tokens))
-            bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}", refresh=False)
-            log.info("%s", progress(done, len(samples), len(rows), time.perf_counter() - t0))
+    at_once = samples_at_once(context_tokens)
+    with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
+        for done in range(0, len(samples), at_once):
+            chunk = samples[done : done + at_once]
+            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], max_new_tokens))
+            bar.update(len(chunk))
+            bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
+            log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.batch import Batch, own_layout
-from kvlab.engine.model import stop_ids
+from kvlab.engine.model import is_sliding, stop_ids
 from kvlab.kernels import stream as kvstream
 
 
@@ -28,9 +28,12 @@ def greedy_decode(
     RoPE rotation they were cached with. A re-rotated cache (KeyRerotationPress) continues at its kept length.
     """
     batch = Batch(model, caches)
-    eos = stop_ids(model) if stop else set()
     x = torch.tensor([tail] * batch.size, device=model.device)
-    pos = start
+    return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set())
+
+
+def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or the cap."""
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max_new_tokens):
@@ -47,6 +50,36 @@ def greedy_decode(
             batch.keep(going)
             live = [live[r] for r in going]
         x = nxt[going, None]
+    return out
+
+
+@torch.no_grad()
+@record_function("kvlab.decode_reference")
+def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy answers of several dense caches of different prompts, each `(cache, tail, start)`: every tail is fed
+    to its own cache, then all rows decode as one batch, each at its own positions (so each step reads the
+    weights once for all of them). Rows are right-padded and masked as in any batch; models with sliding-window
+    layers (equal across rows only within one prompt) decode each request alone."""
+    sliding = any(is_sliding(model, i) for i in range(len(requests[0][0].layers))) if requests else False
+    if len(requests) < 2 or sliding:
+        return [greedy_decode(model, [cache], tail, start, max_new_tokens)[0] for cache, tail, start in requests]
+    fed, first = [], []
+    for cache, tail, start in requests:
+        one = Batch(model, [cache])
+        first.append(one.forward(torch.tensor([tail], device=model.device), start)[:, -1].argmax(-1))
+        fed.append(one.cache)
+    batch = Batch(model, fed)
+    batch.shift = torch.tensor([start + len(tail) for _, tail, start in requests], device=model.device)
+    eos = stop_ids(model)
+    first = torch.cat(first)
+    out = [[t] for t in first.tolist()]
+    going = [i for i, t in enumerate(first.tolist()) if t not in eos]
+    if max_new_tokens > 1 and going:
+        if len(going) < batch.size:
+            batch.keep(going)
+        rest = _greedy(batch, first[going, None], 0, max_new_tokens - 1, eos)
+        for i, more in zip(going, rest):
+            out[i] += more
     return out
 
 
@@ -126,7 +159,8 @@ class Verified:
 
 @torch.no_grad()
 def verified_decode(
-    model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int
+    model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
+    path: list[int] | None = None,
 ) -> Verified:
     """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer.
 
@@ -138,10 +172,11 @@ def verified_decode(
     fed in one pass), stepwise ones (quantized, H2O) from the tail, as they must be. Returns the answers, the
     teacher-forced log-probabilities (B, len(path), V) along the reference's answer, and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
-    step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column)."""
+    step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
+    the reference's answer when it was already decoded (`decode_references`, with other prompts' references)."""
     t0 = time.perf_counter()
-    with record_function("kvlab.decode_reference"):
-        (path,) = greedy_decode(model, [caches[ref]], tail, start, max_new_tokens)
+    if path is None:
+        (path,) = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
     t1 = time.perf_counter()
     logp, choice = teacher_forced(model, caches, tail, path, start)
     first = first_divergence(choice, path)

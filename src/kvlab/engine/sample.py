@@ -1,13 +1,15 @@
-"""One sample's rows: every variant × question mode × turn, from one shared prefill per compression."""
+"""Rows of samples: every variant × question mode × turn, from one shared prefill per compression; the full
+cache's answers of several samples decoded as one batch."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import divergence, greedy_decode, teacher_forced, verified_decode
-from kvlab.engine.prefill import prefill
+from kvlab.engine.decode import decode_references, divergence, greedy_decode, teacher_forced, verified_decode
+from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
@@ -20,25 +22,25 @@ QUESTION_MODES = {  # mode -> (what the cache was compressed with, which turns i
 }
 
 
-def evaluate_sample(
-    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
-):
-    """Rows for one sample: every variant × question mode × turn, from one shared prefill per compression.
+@dataclass
+class Plan:
+    """One sample's prefilled bases and what each gives: compression key -> (base, tail after it), the prefill
+    seconds per key, turn number -> modes labelled, and the tails and gold answers of the turns."""
 
-    Question modes (`QUESTION_MODES`): `agnostic` compresses the context before any question (every turn is
-    asked on it); `aware` compresses context and question together and answers that question; `multi_turn`
-    reuses the aware cache for the sample's later turns (a different question about another needle), so it
-    only has rows on samples with follow-up turns. A sample whose question sits inside the context (asked
-    before the document) is compressed once for both agnostic and aware.
+    sample: Sample
+    bases: dict[str, tuple[Prefilled, list[int]]]
+    prefill_s: dict[str, float]
+    turns_of: dict[str, dict[int, list[str]]]
+    turns: dict[str, list[tuple[list[int], list[str]]]] = field(default_factory=dict)
 
-    Per compression, each variant compresses its own copy of the prefilled cache; all variants then decode
-    as one batch. With `kl`, KL and NLL are teacher-forced along one path per sample and turn: the sample's
-    reference text if it has one, else the full cache's own answer (so KL measures how far each method
-    drifts from full).
-    """
-    if sum(v.kind == "full" for v in variants) != 1:
-        raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
-    ref = next(i for i, v in enumerate(variants) if v.kind == "full")
+    def verified(self, number: int) -> bool:
+        """Whether a turn's answers are verified along the full cache's answer (else: prose, whose KL path is its
+        reference text, and which decodes nothing, or a reference-bearing first turn)."""
+        return self.sample.metric != "none" and not (self.sample.prompt.reference and number == 1)
+
+
+def plan(model, sample: Sample, modes: list[str]) -> Plan:
+    """Prefill a sample once per compression its modes need (the aware prefill continues the context's)."""
     p = sample.prompt
     t0 = time.perf_counter()
     context = prefill(model, p.context)
@@ -54,25 +56,79 @@ def evaluate_sample(
         for number in range(1, len(p.followups) + 2):
             if QUESTION_MODES[mode][1](number):
                 turns_of.setdefault(key, {}).setdefault(number, []).append(mode)
+    out = Plan(sample, bases, prefill_s, turns_of)
+    for key in turns_of:
+        turns = [(bases[key][1], sample.gold)]
+        for turn in p.followups:
+            turns.append((turns[-1][0] + turn.ids, turn.gold))
+        out.turns[key] = turns
+    return out
+
+
+def evaluate_sample(
+    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
+):
+    """Rows for one sample (see `evaluate_samples`)."""
+    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl)
+
+
+def evaluate_samples(
+    model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
+    kl: bool = True,
+):
+    """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
+
+    Question modes (`QUESTION_MODES`): `agnostic` compresses the context before any question (every turn is
+    asked on it); `aware` compresses context and question together and answers that question; `multi_turn`
+    reuses the aware cache for the sample's later turns (a different question about another needle), so it
+    only has rows on samples with follow-up turns. A sample whose question sits inside the context (asked
+    before the document) is compressed once for both agnostic and aware.
+
+    The full cache's answers of every sample, compression and turn are decoded first, as one batch
+    (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache,
+    and `verified_decode` gives every variant's answer from one teacher-forced pass along the full answer,
+    decoding only the rows that leave it. With `kl`, KL and NLL come from that pass: along the sample's
+    reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
+    from full). The seconds of the shared reference decoding are split evenly among its answers.
+    """
+    if sum(v.kind == "full" for v in variants) != 1:
+        raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
+    ref = next(i for i, v in enumerate(variants) if v.kind == "full")
+    plans = [plan(model, sample, modes) for sample in samples]
+    wanted = [(i, key, number) for i, pl in enumerate(plans) for key, labelled in pl.turns_of.items()
+              for number in labelled if pl.verified(number)]
+    t0 = time.perf_counter()
+    answers = decode_references(model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
+                                         plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens)
+    reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
+    paths = dict(zip(wanted, answers))
     rows = []
-    for key, labelled in turns_of.items():
-        base, tail = bases[key]
+    for i, pl in enumerate(plans):
+        rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
+                      reference_s)
+    return rows
+
+
+def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
+          reference_s: float) -> list[dict]:
+    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer)."""
+    sample, p = pl.sample, pl.sample.prompt
+    rows = []
+    for key, labelled in pl.turns_of.items():
+        base, _ = pl.bases[key]
         caches, compress_s, stats = [], [], []
         for variant in variants:
             t0 = time.perf_counter()
             caches.append(compress(model, base, variant))
             compress_s.append(time.perf_counter() - t0)
             stats.append(cache_stats(caches[-1], variant, base.length))
-        turns = [(tail, sample.gold)]
-        for turn in p.followups:
-            turns.append((turns[-1][0] + turn.ids, turn.gold))
-        for number, (turn_tail, gold) in enumerate(turns, start=1):
+        for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
             if number not in labelled:
                 continue
             div, first = [{} for _ in variants], [None] * len(variants)
-            if sample.metric != "none" and not (p.reference and number == 1):  # KL along the full cache's answer
-                run = verified_decode(model, caches, ref, turn_tail, base.length, max_new_tokens)
-                decoded, decode_s, tf_s, first = run.answers, run.decode_s, run.teacher_forced_s, run.first
+            if pl.verified(number):  # KL along the full cache's answer
+                run = verified_decode(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
+                decoded, decode_s, tf_s, first = run.answers, reference_s + run.decode_s, run.teacher_forced_s, run.first
                 if kl and decoded[ref]:
                     div = divergence(run.logp, decoded[ref], ref)
             else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
@@ -102,7 +158,7 @@ def evaluate_sample(
                     "score": score(sample.metric, prediction, gold),
                     **stats[i],
                     **div[i],
-                    "prefill_s": prefill_s[key],
+                    "prefill_s": pl.prefill_s[key],
                     "compress_s": compress_s[i],
                     "decode_s": decode_s,
                     "decode_batch": len(variants),
