@@ -40,9 +40,10 @@ test: setup system
 	$(BIN)/pytest -q
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not integration"
+	$(BIN)/pytest -q -m "not integration and not slow"
 
 lint: setup
+	$(BIN)/ruff check src kernels tests workflow
 	$(BIN)/snakemake --lint
 
 clean:

@@ -135,7 +135,7 @@ def _order(A: tl.constexpr, B: tl.constexpr, C: tl.constexpr, SA: tl.constexpr, 
 
 
 @triton.jit
-def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
+def _online(q, kt, v, tmask, m, denom, acc, scaling, IEEE: tl.constexpr):
     """One tile of the online softmax: scores of the rep query heads against the tile's keys (given transposed,
     (D, tokens)), then its values (tokens, D); q, kt and v in the dot's dtype. Scores are in base 2: `scaling`
     includes log2(e), so each weight is one exp2 (what tl.exp does after a multiply)."""
@@ -151,7 +151,7 @@ def _online(q, kt, v, tmask, m, l, acc, scaling, IEEE: tl.constexpr):
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    return m_new, l * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+    return m_new, denom * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
 
 
 # Sizes that change from step to step are not specialized on (a value of 1 or a multiple of 16 would compile
@@ -173,7 +173,7 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
     rmask = r < REP
     qrow = bh * REP + r  # query heads h*rep … h*rep+rep-1 of this sequence
     m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-    l = tl.zeros((BLOCK_R,), tl.float32)
+    denom = tl.zeros((BLOCK_R,), tl.float32)
     acc = tl.zeros((BLOCK_R, D), tl.float32)
     if split < SPLITS:
         DT: tl.constexpr = tl.float32 if IEEE else tl.float16
@@ -227,9 +227,9 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
                                                grp < tl.cdiv(T, VG), d, VBITS, VG, BLOCK_T // VG, D, DT))
                 else:
                     v = _token_tile(vc, vs, vz, tok, tmask, VBITS, VG, D, BLOCK_T, DT)
-            m, l, acc = _online(qc, kt, v, tmask, m, l, acc, score_scale, IEEE)
+            m, denom, acc = _online(qc, kt, v, tmask, m, denom, acc, score_scale, IEEE)
         out = qrow * (SPLITS + 1) + split
-        tl.store(o_ptr + out[:, None] * D + vcol[None, :], acc * (out_scale / l[:, None]), mask=rmask[:, None])
+        tl.store(o_ptr + out[:, None] * D + vcol[None, :], acc * (out_scale / denom[:, None]), mask=rmask[:, None])
     else:
         qd = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=rmask[:, None], other=0.0)
         for start in range(0, ND, BLOCK_DENSE):
@@ -238,10 +238,10 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
             off = (bh * ND + t)[:, None] * D + d[None, :]
             k = tl.load(dk + off, mask=tmask[:, None], other=0.0)
             v = tl.load(dv + off, mask=tmask[:, None], other=0.0)
-            m, l, acc = _online(qd, tl.trans(k), v, tmask, m, l, acc, scaling, IEEE)
+            m, denom, acc = _online(qd, tl.trans(k), v, tmask, m, denom, acc, scaling, IEEE)
         out = qrow * (SPLITS + 1) + split
-        tl.store(o_ptr + out[:, None] * D + d[None, :], acc / l[:, None], mask=rmask[:, None])
-    tl.store(lse_ptr + out, (m + tl.log2(l)) * _LN2, mask=rmask)  # natural log-sum-exp, as the merge reads it
+        tl.store(o_ptr + out[:, None] * D + d[None, :], acc / denom[:, None], mask=rmask[:, None])
+    tl.store(lse_ptr + out, (m + tl.log2(denom)) * _LN2, mask=rmask)  # natural log-sum-exp, as the merge reads it
 
 
 @triton.jit

@@ -15,6 +15,8 @@ from conftest import job_counts, snakemake, workflow_copy
 from kvlab.config import resolve
 from slurm_local import PARTITION, Unavailable, jobs, local_slurm
 
+pytestmark = pytest.mark.slow
+
 LOCAL_RULES = {"cost_table", "collect", "report"}
 TIMING = re.compile(r"(_s|speedup\w*)$")  # wall-clock columns differ between any two runs
 

@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 
 import duckdb
+import pytest
 import yaml
 
 from conftest import job_counts, snakemake
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.methods import evicts
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,6 +124,12 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
 
 def test_lint_is_clean():
     proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_python_lint_is_clean():
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "kernels", "tests", "workflow"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 

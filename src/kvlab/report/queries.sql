@@ -267,3 +267,42 @@ SELECT s.model, s.layer, any_value(c.sliding) AS sliding, count(DISTINCT (s.sequ
 FROM calib_sinks s JOIN calib_concentration c USING (model, layer)
 WHERE s.is_sink AND s.position > 0
 GROUP BY s.model, s.layer ORDER BY s.model, s.layer;
+
+-- name: eval_cost
+-- Per evaluate job: rows scored, samples, the job's wall time (its Snakemake benchmark) and rows per second,
+-- and the engine's seconds by phase: prefill (once per sample and compression), compress (every variant),
+-- decode (the full cache's answers, decoded for several samples at once and split among them, plus the rows
+-- that leave them) and the teacher-forced pass (every row along the full answer, or prose's reference).
+WITH computations AS (  -- one per sample, compression (its prompt length) and turn
+  SELECT model, task, context_tokens, sample_id, compressed_tokens, turn,
+         any_value(prefill_s) AS prefill_s, any_value(decode_s) AS decode_s,
+         any_value(teacher_forced_s) AS teacher_forced_s
+  FROM eval GROUP BY ALL
+), compressions AS (
+  SELECT model, task, context_tokens, sample_id, compressed_tokens, method, budget, any_value(compress_s) AS compress_s
+  FROM eval GROUP BY ALL
+), phases AS (
+  SELECT c.model, c.task, c.context_tokens, sum(c.decode_s) AS decode_s, sum(c.teacher_forced_s) AS teacher_forced_s,
+         (SELECT sum(p) FROM (SELECT max(prefill_s) AS p FROM computations x
+           WHERE x.model = c.model AND x.task = c.task AND x.context_tokens = c.context_tokens GROUP BY sample_id)) AS prefill_s,
+         (SELECT sum(compress_s) FROM compressions y
+           WHERE y.model = c.model AND y.task = c.task AND y.context_tokens = c.context_tokens) AS compress_s
+  FROM computations c GROUP BY ALL
+), jobs AS (
+  SELECT model, task, context_tokens, count(*) AS rows, count(DISTINCT sample_id) AS samples, any_value(dtype) AS dtype
+  FROM eval GROUP BY ALL
+)
+SELECT j.model, j.task, j.context_tokens, j.samples, j.rows, b.s AS wall_s, j.rows / b.s AS rows_per_s,
+       p.prefill_s, p.compress_s, p.decode_s, p.teacher_forced_s, j.dtype
+FROM jobs j JOIN phases p USING (model, task, context_tokens)
+LEFT JOIN benchmarks b ON b.job = 'evaluate/' || j.model || '/' || j.task || '/' || j.context_tokens
+ORDER BY wall_s DESC NULLS LAST;
+
+-- name: verification
+-- How often a compressed row's greedy choice follows the full cache's answer at every position (its answer
+-- is then the full cache's, taken without decoding it), and the full row's own noise floor: how often its
+-- one-pass choice differs from its step-by-step decoding somewhere (a near-tie flipped by rounding).
+SELECT model, dtype, method_kind = 'full' AS full_row, count(*) AS rows,
+       count(*) FILTER (WHERE diverged_at IS NULL) AS follow_full,
+       count(*) FILTER (WHERE diverged_at IS NULL) / count(*) AS share_following
+FROM eval WHERE metric <> 'none' GROUP BY ALL ORDER BY model, full_row DESC;

@@ -6,7 +6,7 @@ Adding a section: a module here and one line in SECTIONS.
 
 from kvlab.report.sections import (
     accuracy, bytes_measured, calibration, claims, cost_article, cost_models, decision, divergence, engine,
-    eviction, kernels, models, provenance, quant, summary, tasks, throughput,
+    eval_cost, eviction, kernels, models, provenance, quant, summary, tasks, throughput,
 )
 
 SECTIONS = [
@@ -21,6 +21,7 @@ SECTIONS = [
     throughput,
     kernels,
     engine,
+    eval_cost,
     cost_article,
     cost_models,
     bytes_measured,

@@ -12,10 +12,11 @@ QUERIES = ("engine_vs_pipeline",)
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return (
         "<p>The same samples, variants and question modes. kvlab's engine prefills each sample once "
-        "(the question-aware prefill continues the agnostic one), compresses a copy of the cache per variant "
-        "and decodes all variants as one batch; kvpress's pipeline prefills, compresses and decodes once per "
+        "(the question-aware prefill continues the agnostic one), compresses a copy of the cache per variant, "
+        "decodes the full cache's answer, checks every variant along it in one teacher-forced pass and decodes "
+        "only the variants that leave it; kvpress's pipeline prefills, compresses and decodes once per "
         "variant and mode (aware: the question inside the compressed context). Both produce answers only "
-        "here (the engine's teacher-forced KL pass is off). The agnostic-only columns compare that mode "
+        "here (the engine computes no KL from its pass). The agnostic-only columns compare that mode "
         "alone. Agreement is the fraction of identical answers; in the aware mode the pipeline tokenizes "
         "context and question as one string, so a token at their boundary may differ.</p>"
         + table(q["engine_vs_pipeline"])
