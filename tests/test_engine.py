@@ -554,7 +554,8 @@ def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dic
 def test_verified_decoding_gives_every_row_its_own_greedy_answer(tiny, sharp):
     """verified_decode decodes only the rows that leave the full cache's answer; every row's answer is the one
     decoding all rows step by step gives. The cases cover rows that never diverge, stepwise rows (quantized, H2O)
-    that diverge, and dense rows that all diverge only after a shared prefix (fed at once)."""
+    that diverge, and dense rows that all diverge only after a shared prefix (fed at once), also in grids of
+    dense rows alone."""
     first = {}
     for seed in (1, 2):
         for budgets in ([0.5, 0.1], [0.9]):
@@ -563,7 +564,7 @@ def test_verified_decoding_gives_every_row_its_own_greedy_answer(tiny, sharp):
     assert any(d is None for label, ds in first.items() if label != "full" for d in ds)
     assert any(d is not None for d in first["kivi2"])
     dense = {name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming")}
-    shared = []  # with only dense rows diverging, they are decoded from the prefix they all share
+    shared = []  # dense rows are decoded from the prefix they all share
     for seed in (1, 2):
         run = verified_run(tiny[1], sharp, seed, [0.9], dense)
         shared.append(min((d for d in run.values() if d is not None), default=0))

@@ -168,8 +168,8 @@ def verified_decode(
     position of it (EOS included) produces exactly that answer (tests/test_engine.py checks the answers against
     decoding every row). So the reference row (`ref`) is decoded alone;
     one teacher-forced pass along its answer (which the KL needs anyway) gives every row's choice at every
-    position; only rows that diverge are decoded, as one batch: from the prefix they all share (fed in one pass)
-    when all are dense, else from the tail (stepwise rows, quantized and H2O, are fed token by token). Returns the answers, the
+    position; only rows that diverge are decoded: dense ones from the prefix they all share (fed in one pass),
+    stepwise ones (quantized, H2O) from the tail, each kind as one batch. Returns the answers, the
     teacher-forced log-probabilities (B, len(path), V) along the reference's answer, and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
@@ -183,14 +183,18 @@ def verified_decode(
     t2 = time.perf_counter()
     out = [list(path) for _ in caches]
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
-    if diverged:  # one batch, so each step reads the weights once for all of them
-        # dense rows skip the prefix every diverged row shares (fed at once); a stepwise row starts at the tail
-        shared = 0 if any(stepwise(caches[i]) for i in diverged) else min(first[i] for i in diverged)
-        prefix = path[:shared]
-        with record_function("kvlab.decode_diverged"):
-            rest = greedy_decode(model, [caches[i] for i in diverged], tail + prefix, start, max_new_tokens - shared)
-        for i, answer in zip(diverged, rest):
-            out[i] = prefix + answer
+    steps = [i for i in diverged if stepwise(caches[i])]
+    dense = [i for i in diverged if i not in steps]
+    # Two batches: dense rows stack into plain tensors and skip the prefix they all share (fed at once); one
+    # quantized or H2O row would turn every layer of a batch into per-row updates (`Rows`), and such rows start
+    # at the tail, as they must be fed token by token.
+    for group, shared in ((dense, min((first[i] for i in dense), default=0)), (steps, 0)):
+        if group:
+            prefix = path[:shared]
+            with record_function("kvlab.decode_diverged"):
+                rest = greedy_decode(model, [caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)
+            for i, answer in zip(group, rest):
+                out[i] = prefix + answer
     return Verified(out, logp, first, t1 - t0 + time.perf_counter() - t2, t2 - t1)
 
 
