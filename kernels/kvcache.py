@@ -215,6 +215,7 @@ class QuantizedKVLayer(DynamicLayer):
         # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
         # rotary cache, kept beside the cache and not counted as KV bytes.
         self.cos = self.sin = None
+        self._decoded: tuple[int, torch.Tensor, torch.Tensor] | None = None  # see _dequantized
 
     def fork(self) -> "QuantizedKVLayer":
         """An independent copy sharing the stored tensors (updates build new tensors, never write in place)."""
@@ -223,16 +224,32 @@ class QuantizedKVLayer(DynamicLayer):
         return out
 
     def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The codes in full precision. Codes are written once and only appended to, and every codec decodes per
+        group or per token, so the tokens decoded at an earlier call are kept (`_decoded`, a compute cache of the
+        dequantizing path, never counted as stored bytes) and only codes added since are decoded: the same
+        values as decoding them all again, without the O(context) work at every step."""
         if not self.quantized:
             return None, None
-        shape = (*self.keys.shape[:2], self.quantized, self.keys.shape[-1])
+        done, k, v = self._decoded if self._decoded is not None else (0, None, None)
+        if done < self.quantized:
+            dk, dv = self._decode_tokens(done, self.quantized)
+            k, v = _cat(k, dk), _cat(v, dv)
+            self._decoded = (self.quantized, k, v)
+        return k, v
+
+    def _decode_tokens(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes of quantized tokens a…b-1 (group boundaries for channel-grouped codecs) in full precision."""
+        shape = (*self.keys.shape[:2], b - a, self.keys.shape[-1])
         cos = sin = None
         if self.spec.rope:
             lo = self.spec.sink_tokens
-            cos, sin = self.cos[:, lo : lo + self.quantized], self.sin[:, lo : lo + self.quantized]
-        k = self.spec.key.decode(self.stored["key"], shape, cos, sin).to(self.dtype)
-        v = self.spec.value.decode(self.stored["value"], shape, cos, sin).to(self.dtype)
-        return k, v
+            cos, sin = self.cos[:, lo + a : lo + b], self.sin[:, lo + a : lo + b]
+        out = []
+        for part, codec in (("key", self.spec.key), ("value", self.spec.value)):
+            per = codec.group if isinstance(codec, AffineCodec) and codec.axis == "channel" else 1  # tokens per unit
+            block = {name: t[:, :, a // per : b // per] for name, t in self.stored[part].items()}
+            out.append(codec.decode(block, shape, cos, sin).to(self.dtype))
+        return out[0], out[1]
 
     def full(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sinks, dequantized codes, residual (and new tokens) in sequence order, full precision."""
@@ -356,6 +373,7 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
     if not same or first.spec.rope:
         return None
     out = first.fork()
+    out._decoded = None  # the rows' codes are concatenated below: decode them anew
     for name in _FULL_PRECISION:
         if getattr(first, name) is not None:
             setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
@@ -369,6 +387,7 @@ def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
     """A layer holding only the given batch rows of `layer` (which is not touched)."""
     index = torch.tensor(rows, device=layer.keys.device)
     out = layer.fork()
+    out._decoded = None  # only some rows are kept below: decode them anew
     for name in _FULL_PRECISION:
         if getattr(layer, name) is not None:
             setattr(out, name, getattr(layer, name).index_select(0, index))

@@ -95,3 +95,23 @@ def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
     steps, step_choice = teacher_forced(sharp, caches, tail, path, base.length, stream=False)
     torch.testing.assert_close(one_pass, steps, rtol=1e-4, atol=1e-4)
     assert torch.equal(choice, step_choice)
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_SPECS))
+def test_codes_decoded_once_equal_decoding_them_all(name):
+    """The dequantizing path keeps the codes it decoded and decodes only new ones: after prefill and many
+    single-token appends (several flushes), the view equals decoding every code from scratch, bit for bit."""
+    spec = STREAM_SPECS[name]()
+    keys, values = random_kv(70, seed=3)
+    cos, sin = rope_tables(70)
+    kw = lambda a, b: {"cos": cos[:, a:b], "sin": sin[:, a:b]} if spec.rope else None  # noqa: E731
+    layer = kvcache.layer_from_dense(keys[..., :20, :], values[..., :20, :], spec, *((cos[:, :20], sin[:, :20]) if spec.rope else ()))
+    for t in range(20, 70):
+        layer.update(keys[..., t : t + 1, :], values[..., t : t + 1, :], kw(t, t + 1))
+    k, v = layer._dequantized()
+    n, lo = layer.quantized, spec.sink_tokens
+    shape = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
+    tables = (layer.cos[:, lo : lo + n], layer.sin[:, lo : lo + n]) if spec.rope else (None, None)
+    k0 = spec.key.decode(layer.stored["key"], shape, *tables).to(layer.dtype)  # every code at once, as stored
+    v0 = spec.value.decode(layer.stored["value"], shape, *tables).to(layer.dtype)
+    assert n > 20 and torch.equal(k, k0) and torch.equal(v, v0)
