@@ -45,7 +45,7 @@ def test_every_preset_covers_every_task_kind(config):
     """smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
     schema = yaml.safe_load(SCHEMA.read_text())
     kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
-    for preset in ("default", "smoke", "full"):
+    for preset in ("default", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
         assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
 
