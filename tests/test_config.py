@@ -141,7 +141,7 @@ BAD = [
     (("calibration", "sink_threshold"), 1.5, "config: key 'calibration.sink_threshold': 1.5 must be < 1"),
     (("throughput", "new_tokens"), 0, "config: key 'throughput.new_tokens': 0 must be >= 1"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke, evidence, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 
