@@ -27,9 +27,9 @@ tests=(tests/test_decode_attention.py tests/test_triton_quant.py)  # CUDA tests 
 if [ $dry = 1 ]; then
   export TRITON_INTERPRET=1  # Triton kernels in its CPU interpreter
   tests_cmd=("$py" -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}")
-  bench_args=(--device cpu --dtype float32 --contexts 256 --batches 1 --repeats 1)
-  e2e_args=(--device cpu --dtype float32 --context 64 --batch 2 --new-tokens 4)
-  at=(--context 256 --batch 1)
+  bench_args=(--device cpu --dtype float32 --contexts 128 --batches 1 --repeats 1)
+  e2e_args=(--device cpu --dtype float32 --context 64 --batch 2 --new-tokens 4 --layers 2)
+  at=(--context 128 --batch 1)
 else
   "$py" -c 'import xdist' 2>/dev/null && workers=(-n 8) || workers=()  # pytest-xdist: kernels compiled in parallel
   tests_cmd=("$py" -m pytest -q -p no:cacheprovider "${workers[@]}" "${tests[@]}")

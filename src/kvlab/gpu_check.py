@@ -31,8 +31,9 @@ LLAMA_8B = (8, 32, 128)  # the layer the kernel targets are read at: KV heads, q
 H200_GB_PER_S = 4800.0  # H200 HBM3e, nominal
 
 
-def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str) -> pd.DataFrame:
-    """Rows (cache: dense, in `dtype`, or int4) of decoding `batch` copies of one prefilled `context`-token cache."""
+def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str, layers: int) -> pd.DataFrame:
+    """Rows (cache: dense, in `dtype`, or int4) of decoding `batch` copies of one prefilled `context`-token cache,
+    the model Qwen2.5-0.5B's but for its number of `layers` (24: the real one's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvlab.benchmark import GRAPH_REPLAYS, graph_step
@@ -41,13 +42,14 @@ def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str) -> p
     from kvlab.methods import Variant
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen2", **QWEN2_5_0_5B)
+    config = AutoConfig.for_model("qwen2", **{**QWEN2_5_0_5B, "num_hidden_layers": layers})
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation=ATTENTION)
     model.eval().requires_grad_(False)
     ids = torch.randint(config.vocab_size, (context + 3,), generator=torch.Generator().manual_seed(0)).tolist()
     tail = ids[context:]
     base = prefill(model, ids[:context])
+    label = E2E_MODEL if layers == QWEN2_5_0_5B["num_hidden_layers"] else f"{E2E_MODEL}, {layers} layers"
     steps = max(new_tokens, 4)  # the graph replays the fourth step; eager decoding must reach it
     rows = []
     for name, variant in {"dense": Variant("full", "full", 1.0), "int4": Variant("kivi4", "quant", 1.0, KIVI4)}.items():
@@ -66,7 +68,7 @@ def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str) -> p
                 seconds, tokens = graph_step(model, caches, tail, base.length, GRAPH_REPLAYS)
             graph_ms, same = seconds * 1e3, tokens == [row[3] for row in eager]
         rows.append({
-            "model": E2E_MODEL, "cache": name, "context_tokens": context, "batch": batch, "new_tokens": steps,
+            "model": label, "cache": name, "context_tokens": context, "batch": batch, "new_tokens": steps,
             "eager_tokens_per_s": batch * steps / eager_s, "graph_step_ms": graph_ms,
             "graph_tokens_per_s": batch / graph_ms * 1e3, "graph_equals_eager": same,
             "kv_bytes": cache_stats(caches[0], variant, base.length)["kv_bytes"],
@@ -183,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--new-tokens", type=int, default=16)
     e.add_argument("--device", default="cuda")
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    e.add_argument("--layers", type=int, default=QWEN2_5_0_5B["num_hidden_layers"], help="fewer for a quick CPU run")
     e.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("summary", help="one screen of results against the targets")
     s.add_argument("--kernels", type=Path, required=True, help="python -m kvlab.kernel_bench's Parquet")
@@ -194,7 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.step == "e2e":
         if args.device == "cuda" and not torch.cuda.is_available():
             ap.error("--device cuda: torch sees no CUDA device (use --device cpu for a dry run)")
-        e2e(args.context, args.batch, args.new_tokens, args.device, args.dtype).to_parquet(args.out, index=False)
+        frame = e2e(args.context, args.batch, args.new_tokens, args.device, args.dtype, args.layers)
+        frame.to_parquet(args.out, index=False)
+        print(f"wrote {args.out}: {len(frame)} rows")
     else:
         print(summary(args.kernels, args.e2e, args.context, args.batch, args.gb_per_s))
 
