@@ -17,9 +17,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
+rm -f "$out/kernels.parquet" "$out/e2e.parquet"  # the summary reads only this run's rows
 cd "$(dirname "$0")/.." || exit 2
-mkdir -p "$out" || exit 2
-out=$(cd "$out" && pwd)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 
