@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CORES  ?= 2
 SMK_ARGS ?=
 
-.PHONY: setup system report smoke test test-fast lint clean
+.PHONY: setup system report smoke test test-fast lint clean gpu-wheels gpu-check-dry
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,3 +48,14 @@ lint: setup
 
 clean:
 	rm -rf results logs .snakemake
+
+# The GPU device check (gpu/check.sh, README "GPU check"). gpu-wheels: the wheels it installs there (Python 3.12,
+# x86-64, no index), the pyproject.toml pins its CUDA tests need whose versions the machine lacks.
+GPU_WHEELS := $(shell grep -oE '"(transformers|tokenizers)==[^"]+"' pyproject.toml | tr -d '"')
+gpu-wheels: $(BIN)/python
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d gpu/wheels $(GPU_WHEELS)
+
+gpu-check-dry: $(BIN)/python
+	PYTHON=$(BIN)/python bash gpu/check.sh --dry-run --out gpu-out
