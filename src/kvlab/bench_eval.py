@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--preset")
     ap.add_argument("--dtype", help="force the compute dtype (give the same on both sides of an A/B; default: the "
                     "config's, `auto` resolved here)")
+    ap.add_argument("--threads", type=int, help="torch threads (two sides run at once with one thread each share a "
+                    "noisy machine alike)")
     ap.add_argument("--label", required=True, help="what is timed, e.g. a commit")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -61,6 +63,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         ap.error(f"--ctx {args.ctx}: task '{args.task}' runs at {spec['context_tokens']}")
     if args.samples:
         spec = {**spec, "samples": args.samples}
+    if args.threads:
+        run["threads"] = args.threads
     if args.dtype:
         run["dtype"] = args.dtype
     else:
