@@ -71,6 +71,20 @@ def qwen(qwen_dir):
     return load_model(qwen_dir, "float32", "cpu")
 
 
+@pytest.fixture(scope="session")
+def sharp(tiny):
+    """The tiny model with its matrices scaled up 15x: the random model at its own scale answers every prompt
+    with one token whatever the cache holds; this one's answers depend on what each cache kept."""
+    import copy
+
+    model = copy.deepcopy(tiny[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(15)
+    return model
+
+
 def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "snakemake", "--cores", "2", *args],

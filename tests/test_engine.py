@@ -406,7 +406,6 @@ def test_only_steps_that_wait_for_nothing_on_the_host_can_be_captured(tiny, samp
 def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny, sample, name):
     """benchmark.graph_step captures the fourth decode step of a batch (quantized rows through the kernel) and
     times its replays; what the replays compute is the token eager decoding gives at that step."""
-    import copy
 
     from kvlab.benchmark import graph_step
     from kvlab.engine import greedy_decode
@@ -513,18 +512,6 @@ VERIFY_METHODS = {
     "int8": {"kind": "quant", "scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel",
              "value_axis": "token"},
 }
-
-
-@pytest.fixture(scope="module")
-def sharp(tiny):
-    """The tiny model with its matrices scaled up 15x: the random model at its own scale answers every prompt
-    with one token whatever the cache holds; this one's answers depend on what each cache kept."""
-    model = copy.deepcopy(tiny[0])
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(15)
-    return model
 
 
 def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dict = VERIFY_METHODS) -> dict:

@@ -4,7 +4,6 @@ through the engine."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -65,16 +64,6 @@ def test_visibility_of_a_per_token_scheme_is_the_quantized_past_and_the_own_toke
         [True] * 5 + [False, True, False] + [True, False, False],
         [True] * 5 + [False, False, True] + [True, True, False],
     ]
-
-
-@pytest.fixture(scope="module")
-def sharp(tiny):
-    model = copy.deepcopy(tiny[0])
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(15)
-    return model
 
 
 def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):

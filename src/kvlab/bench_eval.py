@@ -42,15 +42,21 @@ def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict
     return config["tasks"][task], {"methods": methods, **run}
 
 
-def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def job_arguments(description: str, samples_help: str, samples_default: int | None = None) -> argparse.ArgumentParser:
+    """The arguments naming one evaluate job of a config: model, calibration, task, context, samples, config."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--calibration", help="the model's calibration folder (for methods that read it)")
     ap.add_argument("--task", required=True)
     ap.add_argument("--ctx", type=int, required=True)
-    ap.add_argument("--samples", type=int, help="override the task's samples (same value on both sides of an A/B)")
+    ap.add_argument("--samples", type=int, default=samples_default, help=samples_help)
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
     ap.add_argument("--preset")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = job_arguments(__doc__.split("\n\n")[0], "override the task's samples (same value on both sides of an A/B)")
     ap.add_argument("--dtype", help="force the compute dtype (give the same on both sides of an A/B; default: the "
                     "config's, `auto` resolved here)")
     ap.add_argument("--threads", type=int, help="torch threads (two sides run at once with one thread each share a "

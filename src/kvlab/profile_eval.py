@@ -22,7 +22,6 @@ The profiler adds a few microseconds per operator, so shares matter more than ab
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvlab.bench_eval import job_settings
+from kvlab.bench_eval import job_arguments, job_settings
 from kvlab.engine import evaluate_sample
 from kvlab.evaluate import load_model
 from kvlab.hardware import compute_dtype
@@ -74,14 +73,7 @@ def profile_rows(events, wall: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", required=True)
-    ap.add_argument("--calibration", help="the model's calibration folder (for methods that read it)")
-    ap.add_argument("--task", required=True)
-    ap.add_argument("--ctx", type=int, required=True)
-    ap.add_argument("--samples", type=int, default=1, help="profile the task's first N samples")
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[2] / "config.yaml"))
-    ap.add_argument("--preset")
+    ap = job_arguments(__doc__.split("\n\n")[0], "profile the task's first N samples", samples_default=1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     spec, run = job_settings(Path(args.config), args.task, args.preset)
