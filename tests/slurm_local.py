@@ -9,8 +9,10 @@ Settings that make a one-node cluster work here (measured on Debian slurm 22.05.
 - `proctrack/linuxproc` and `task/none`: no cgroups needed; `select/cons_tres` with cores and memory as resources.
 - `NoCtldInAddrAny,NoInAddrAny`: daemons listen on loopback only.
 - `/etc/slurm/slurm.conf` must exist: the executor's jobstep plugin clears `SLURM_CONF` inside jobs.
-- No slurmdbd, so no `sacct`: the profile is run with `slurm-status-command: squeue`, and `MinJobAge=300`
-  keeps finished jobs visible to squeue/scontrol for longer than 3 × the plugin's first status wait.
+- No slurmdbd, so no `sacct`: the profile is run with `slurm-status-command: squeue`, and `MinJobAge=3600`
+  keeps every finished job visible to squeue/scontrol for longer than the whole test may run (1500 s): the
+  test counts them at the end. 300 s was too short on a loaded CI machine, where the first jobs had been
+  purged before the last one ended.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def _conf(root: Path) -> str:
         "AccountingStorageType=accounting_storage/none",
         "MpiDefault=none",
         "ReturnToService=2",
-        "MinJobAge=300",
+        "MinJobAge=3600",
         "SchedulerType=sched/backfill",
         f"StateSaveLocation={root}/state",
         f"SlurmdSpoolDir={root}/spool",

@@ -162,20 +162,19 @@ except Exception as exc:
 """
 
 
-def test_hub_offline_with_empty_cache_fails_fast_with_a_fix(tmp_path):
-    """A fresh process, so HF_HOME is read at import as in real use."""
+def test_hub_offline_with_empty_cache_fails_with_a_fix(tmp_path):
+    """A fresh process, so HF_HOME is read at import as in real use. A process that waits on the network instead of
+    failing hits the 60 s timeout (no wall-clock bound beyond that: a loaded CI machine once took 20 s)."""
     hf_home, models = tmp_path / "hf", tmp_path / "models"
     hf_home.mkdir()
     models.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HUB_OFFLINE")}
     env.update(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home))
     script = OFFLINE_SCRIPT.format(spec=HUB_SPEC)
-    t0 = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, "-c", script, str(models / "x")],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )
-    assert time.perf_counter() - t0 < 15
     assert proc.returncode == 3, proc.stderr[-2000:]
     msg = proc.stdout.strip()
     assert "\n" not in msg
