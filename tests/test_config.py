@@ -89,7 +89,8 @@ BAD = [
     (("methods", "kivi4", "layer_budgets"), "calibrated", "preset 'default': key 'methods.kivi4.layer_budgets': applies to a press; add `press`"),
     (("methods", "pyramidkv", "layer_budgets"), "calibrated", "key 'methods.pyramidkv.layer_budgets': PyramidKVPress sets its own per-layer budgets"),
     (("methods", "snapkv", "layer_budgets"), "pyramid", "config: key 'methods.snapkv.layer_budgets': 'pyramid' must be 'calibrated'"),
-    (("methods", "kivi4", "scheme"), "kivi9", "config: key 'methods.kivi4.scheme': 'kivi9' is not allowed; allowed: fp8, int8, kivi, kvquant"),
+    (("methods", "kivi4", "scheme"), "kivi9", "config: key 'methods.kivi4.scheme': 'kivi9' is not allowed; allowed: fp8, int8, kivi, kvquant, lmdeploy"),
+    (("methods", "lmdeploy4", "bits"), 2, "preset 'default': key 'methods.lmdeploy4.bits': lmdeploy quantizes KV to 4 or 8 bits (quant_policy 4 / 8), got 2"),
     (("methods", "kivi4", "bits"), 3, "config: key 'methods.kivi4.bits': 3 is not allowed; allowed: 2, 4, 8"),
     (("methods", "kvquant4", "bits"), 8, "preset 'default': key 'methods.kvquant4.bits': kvquant uses the calibrated 2- or 4-bit grid, got 8"),
     (("methods", "kvquant4", "press"), "SnapKVPress", "key 'methods.kvquant4.press': kvquant un-rotates keys with every prefill position"),
@@ -175,7 +176,7 @@ def test_wrapper_names_read_from_sources_match_kvpress_classes():
 
     import kvpress
 
-    from kvlab.config import kvpress_wrapper_names
+    from kvlab.press_source import kvpress_wrapper_names
 
     classes = {n: getattr(kvpress, n) for n in dir(kvpress) if n.endswith("Press")}
     runtime = {n for n, c in classes.items() if dataclasses.is_dataclass(c) and "press" in {f.name for f in dataclasses.fields(c)}}

@@ -183,6 +183,7 @@ QUANT_SPECS = {
     "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 32, "residual": 5, "key_axis": "channel", "value_axis": "token"},
     "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 0, "key_axis": "channel", "value_axis": "token"},
     "fp8": {"kind": "quant", "scheme": "fp8", "bits": 8, "group": 1, "scales": "dynamic", "key_axis": "token", "value_axis": "token"},
+    "lmdeploy4": {"kind": "quant", "scheme": "lmdeploy", "bits": 4, "group": 32, "key_axis": "channel", "value_axis": "token"},
 }
 
 

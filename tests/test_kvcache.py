@@ -9,8 +9,7 @@ from transformers.cache_utils import Cache
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
 from kvlab.kernels import accounting, kvcache, quant
-from kvlab.methods import Variant, variants
-from kvlab.methods.quantized import layer_spec, layouts, quantized_cache
+from kvlab.methods import Variant, kind_of, variants
 
 H, D = 2, 16
 QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token",
@@ -18,9 +17,9 @@ QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value
 
 
 def qspec(scheme: str, **kw) -> dict:
-    """A quant method entry as the schema fills it (fp8 and int8 leave `residual` to its default, 0)."""
+    """A quant method entry as the schema fills it (fp8, int8 and lmdeploy leave `residual` to its default, 0)."""
     spec = {"kind": "quant", "scheme": scheme, **QDEFAULTS, **kw}
-    if scheme in ("fp8", "int8") and "residual" not in kw:
+    if scheme in ("fp8", "int8", "lmdeploy") and "residual" not in kw:
         del spec["residual"]
     return spec
 
@@ -48,19 +47,21 @@ def kvquant_spec(bits=4, outliers=0.0, sink_tokens=0) -> kvcache.LayerSpec:
 
 
 SPECS = {
-    "kivi4": lambda: layer_spec(qspec("kivi"), 0, H, D),
-    "kivi2_swapped": lambda: layer_spec(qspec("kivi", bits=2, key_axis="token", value_axis="channel"), 0, H, D),
-    "int8": lambda: layer_spec(qspec("int8"), 0, H, D),
-    "fp8_dynamic": lambda: layer_spec(qspec("fp8"), 0, H, D),
+    "kivi4": lambda: kind_of(qspec("kivi")).scheme.layer_spec(0, H, D),
+    "kivi2_swapped": lambda: kind_of(qspec("kivi", bits=2, key_axis="token", value_axis="channel")).scheme.layer_spec(0, H, D),
+    "int8": lambda: kind_of(qspec("int8")).scheme.layer_spec(0, H, D),
+    "lmdeploy4": lambda: kind_of(qspec("lmdeploy")).scheme.layer_spec(0, H, D),
+    "fp8_dynamic": lambda: kind_of(qspec("fp8")).scheme.layer_spec(0, H, D),
     "fp8_static": lambda: kvcache.LayerSpec(kvcache.FP8Codec(torch.full((H,), 0.05)), kvcache.FP8Codec(torch.full((H,), 0.01)), 1, 0),
     "kvquant": lambda: kvquant_spec(outliers=0.05, sink_tokens=2),
 }
 LAYOUTS = {
-    "kivi4": layouts(qspec("kivi"), D),
-    "kivi2_swapped": layouts(qspec("kivi", bits=2, key_axis="token", value_axis="channel"), D),
-    "int8": layouts(qspec("int8"), D),
-    "fp8_dynamic": layouts(qspec("fp8"), D),
-    "fp8_static": layouts(qspec("fp8", scales="calibrated"), D),
+    "kivi4": kind_of(qspec("kivi")).layouts(D),
+    "kivi2_swapped": kind_of(qspec("kivi", bits=2, key_axis="token", value_axis="channel")).layouts(D),
+    "int8": kind_of(qspec("int8")).layouts(D),
+    "lmdeploy4": kind_of(qspec("lmdeploy")).layouts(D),
+    "fp8_dynamic": kind_of(qspec("fp8")).layouts(D),
+    "fp8_static": kind_of(qspec("fp8", scales="calibrated")).layouts(D),
     "kvquant": (accounting.TensorCodes(4, "static", outliers=1), accounting.TensorCodes(4, "token", 8)),
 }
 
@@ -108,14 +109,14 @@ def test_measured_bytes_equal_the_formula(name, t):
     assert sum(n.values()) == t == layer.get_seq_length()
 
 
-@pytest.mark.parametrize("scheme", ["fp8", "int8"])
-def test_fp8_and_int8_quantize_every_token_unless_given_a_residual(scheme):
+@pytest.mark.parametrize("scheme", ["fp8", "int8", "lmdeploy"])
+def test_fp8_int8_and_lmdeploy_quantize_every_token_unless_given_a_residual(scheme):
     keys, values = random_kv(20)
-    every = kvcache.layer_from_dense(keys, values, layer_spec(qspec(scheme), 0, H, D))
+    every = kvcache.layer_from_dense(keys, values, kind_of(qspec(scheme)).scheme.layer_spec(0, H, D))
     assert every.counts() == {"sink_tokens": 0, "quantized_tokens": 20, "residual_tokens": 0}
     every.update(*random_kv(1, seed=1))
     assert every.counts()["quantized_tokens"] == 21  # a decoded token is stored quantized at once
-    window = kvcache.layer_from_dense(keys, values, layer_spec(qspec(scheme, residual=8), 0, H, D))
+    window = kvcache.layer_from_dense(keys, values, kind_of(qspec(scheme, residual=8)).scheme.layer_spec(0, H, D))
     assert window.counts() == {"sink_tokens": 0, "quantized_tokens": 12, "residual_tokens": 8}
 
 
@@ -147,7 +148,7 @@ def test_two_bit_keys_with_an_outlier_channel_need_per_channel_groups():
     keys, values = random_kv(64)
     err = {}
     for axis in ("channel", "token"):
-        layer = kvcache.layer_from_dense(keys, values, layer_spec(qspec("kivi", bits=2, key_axis=axis), 0, H, D))
+        layer = kvcache.layer_from_dense(keys, values, kind_of(qspec("kivi", bits=2, key_axis=axis)).scheme.layer_spec(0, H, D))
         k, _ = layer.full()
         normal = [c for c in range(D) if c != 3]
         err[axis] = float((k - keys)[..., normal].abs().mean())
@@ -404,8 +405,8 @@ def test_generate_runs_with_each_quantized_cache(architecture):
     """transformers' own generate() with kvlab's layers (sliding-window layers left as transformers' own)."""
     model = DECODERS[architecture]()
     ids = torch.randint(3, 250, (1, 50), generator=torch.Generator().manual_seed(0))
-    for name in ("kivi", "int8", "fp8"):
-        cache = quantized_cache(model, qspec(name))
+    for name in ("kivi", "int8", "fp8", "lmdeploy"):
+        cache = kind_of(qspec(name)).empty_cache(model)
         out = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert out.shape[1] == 62
         quantized = [layer for layer in cache.layers if isinstance(layer, kvcache.QuantizedKVLayer)]

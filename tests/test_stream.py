@@ -10,15 +10,14 @@ import torch
 
 from kvlab.engine import compress, prefill, teacher_forced
 from kvlab.kernels import kvcache, stream
-from kvlab.methods import variants
-from kvlab.methods.quantized import layer_spec
+from kvlab.methods import kind_of, variants
 from kvlab.tasks import GENERATORS
 from test_kvcache import SPECS, qspec, random_kv, rope_tables
 
 STREAM_SPECS = {
     **SPECS,
-    "kivi4_r4_g8": lambda: layer_spec(qspec("kivi", residual=4, group=8), 0, 2, 16),
-    "kivi2_r0_g8": lambda: layer_spec(qspec("kivi", bits=2, residual=0, group=8), 0, 2, 16),
+    "kivi4_r4_g8": lambda: kind_of(qspec("kivi", residual=4, group=8)).scheme.layer_spec(0, 2, 16),
+    "kivi2_r0_g8": lambda: kind_of(qspec("kivi", bits=2, residual=0, group=8)).scheme.layer_spec(0, 2, 16),
 }
 
 

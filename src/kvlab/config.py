@@ -3,17 +3,14 @@ also fills defaults), and turn the first problem into one line naming the key an
 
 from __future__ import annotations
 
-import ast
 import copy
-import difflib
-import functools
-import importlib.util
 from pathlib import Path
 
 import jsonschema
 import yaml
 
 from kvlab import press_source
+from kvlab.methods import kind_of
 
 
 class ConfigError(ValueError):
@@ -109,7 +106,7 @@ def _validate(data: dict, schema: dict, schema_path: str | Path, where: str) -> 
         text = describe(error)
         parts = list(error.absolute_path)
         if error.validator == "pattern" and parts and parts[-1] in ("press", "wrapper") and isinstance(error.instance, str):
-            close = suggest_press(error.instance, kvpress_press_names())
+            close = press_source.suggest_press(error.instance, press_source.kvpress_press_names())
             text += f"; {close}" if close else ""
         raise ConfigError(f"{where}: {text}") from None
 
@@ -127,20 +124,6 @@ def _check_discriminators(data: dict, schema: dict, where: str) -> None:
                 raise ConfigError(f"{where}: key '{section}.{name}': missing '{key}' (required); one of: {', '.join(allowed)}")
 
 
-def suggest_press(name: str, presses) -> str | None:
-    """'did you mean X?' for a press name close to one kvpress has, by spelling (difflib), case and a missing
-    'Press' suffix ignored; None when nothing is close."""
-    if "h2o" in name.lower():
-        return "H2O is kvlab's own method (it scores at every decoding step): use `kind: h2o`"
-    lower = {p.lower(): p for p in presses}
-    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
-        if candidate in lower:
-            return f"did you mean {lower[candidate]}?"
-    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
-        close = difflib.get_close_matches(candidate, list(lower), n=1, cutoff=0.6)
-        if close:
-            return f"did you mean {lower[close[0]]}?"
-    return None
 
 
 def describe(error: jsonschema.ValidationError) -> str:
@@ -184,51 +167,17 @@ def _path(parts) -> str:
 
 def _check_semantics(config: dict, where: str) -> None:
     """Checks a schema cannot express."""
-    presses = kvpress_press_names()
     for name, method in config["methods"].items():
         unknown = [t for t in method.get("tasks", []) if t not in config["tasks"]]
         if unknown:
             raise ConfigError(f"{where}: key 'methods.{name}.tasks': no task {unknown[0]!r}; configured tasks: {', '.join(config['tasks'])}")
         if method["kind"] == "full" and "tasks" in method:
             raise ConfigError(f"{where}: key 'methods.{name}.tasks': the full reference runs on every task; remove it")
-        if method["kind"] == "quant":
-            _check_quant(name, method, where)
         for key in ("wrapper", "layer_budgets"):
             if key in method and "press" not in method:
                 raise ConfigError(f"{where}: key 'methods.{name}.{key}': applies to a press; add `press` (e.g. SnapKVPress)")
-        if "press" in method:
-            press = method["press"]
-            if press not in presses:
-                close = suggest_press(press, presses)
-                hint = f"; {close}" if close else f"; kvpress has: {', '.join(sorted(presses))}"
-                raise ConfigError(f"{where}: key 'methods.{name}.press': kvpress has no press '{press}'{hint}")
-            if method.get("wrapper_kwargs") and "wrapper" not in method:
-                raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs': needs a `wrapper` press to configure")
-            wrapper = method.get("wrapper")
-            if wrapper is not None and wrapper not in (wrappers := kvpress_wrapper_names()):
-                what = "is a press that wraps no other" if wrapper in presses else "is not a kvpress press"
-                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': '{wrapper}' {what}; wrappers: {', '.join(sorted(wrappers))}")
-            if "press" in method.get("wrapper_kwargs", {}):
-                raise ConfigError(f"{where}: key 'methods.{name}.wrapper_kwargs.press': the wrapped press is `press`; remove it here")
-            for key, value in method.get("kwargs", {}).items():
-                if value == "calibrated" and key != "n_sink":
-                    raise ConfigError(
-                        f"{where}: key 'methods.{name}.kwargs.{key}': 'calibrated' is only available for n_sink "
-                        "(StreamingLLM's sink count from calibration)"
-                    )
-            for field, cls, kwargs in (("kwargs", press, method.get("kwargs", {})),
-                                       ("wrapper_kwargs", wrapper, method.get("wrapper_kwargs", {}))):
-                problem = cls and press_source.kwargs_problem(cls, {k: v for k, v in kwargs.items() if k != "compression_ratio"}, ("calibrated",))
-                if problem:
-                    raise ConfigError(f"{where}: key 'methods.{name}.{field}.{problem[0]}': {problem[1]}")
-            if wrapper and (problem := press_source.wrapper_problem(wrapper, press)):
-                raise ConfigError(f"{where}: key 'methods.{name}.wrapper': {problem}")
-            if method.get("layer_budgets") and press == "PyramidKVPress":
-                raise ConfigError(f"{where}: key 'methods.{name}.layer_budgets': PyramidKVPress sets its own per-layer budgets; use it with SnapKVPress or another press")
-            if "compression_ratio" in method.get("kwargs", {}):
-                raise ConfigError(
-                    f"{where}: key 'methods.{name}.kwargs.compression_ratio': set by `budgets`, remove it here"
-                )
+        if problem := kind_of(method).problem():
+            raise ConfigError(f"{where}: key 'methods.{name}.{problem[0]}': {problem[1]}")
     fulls = [n for n, m in config["methods"].items() if m["kind"] == "full"]
     if not fulls:
         raise ConfigError(f"{where}: key 'methods': needs one method of kind 'full' (the uncompressed reference)")
@@ -262,51 +211,10 @@ def _check_semantics(config: dict, where: str) -> None:
                     )
 
 
-def _check_quant(name: str, method: dict, where: str) -> None:
-    key = f"{where}: key 'methods.{name}"
-    if method["scheme"] == "kvquant":
-        if method["bits"] not in (2, 4):
-            raise ConfigError(f"{key}.bits': kvquant uses the calibrated 2- or 4-bit grid, got {method['bits']}")
-        if "press" in method:
-            raise ConfigError(f"{key}.press': kvquant un-rotates keys with every prefill position and cannot follow eviction; use kivi, int8 or fp8 with a press")
-    if method["scheme"] == "kivi" and method["group"] > 1 and method["group"] % (8 // method["bits"]):
-        raise ConfigError(f"{key}.group': {method['bits']}-bit codes pack {8 // method['bits']} per byte; group must be a multiple of that")
-
-
 CALIBRATION_TABLES = (
     "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_ranges", "kvquant_grids", "layer_budget",
     "stream_sinks",
 )  # what the calibrate rule writes per model (see kvlab.calibrate)
-
-
-@functools.cache
-def kvpress_wrapper_names() -> frozenset[str]:
-    """Exported presses that wrap another (a dataclass field `press`, declared or inherited), read from kvpress's
-    sources like the names (once per process: every preset of every snakemake start is validated)."""
-    spec = importlib.util.find_spec("kvpress")
-    bases, wrappers = {}, set()
-    for source in Path(spec.origin).parent.rglob("*.py"):
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.ClassDef):
-                bases[node.name] = {getattr(b, "id", None) for b in node.bases}
-                if any(isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == "press" for s in node.body):
-                    wrappers.add(node.name)
-    while grown := {c for c, b in bases.items() if b & wrappers} - wrappers:
-        wrappers |= grown
-    return frozenset(wrappers & kvpress_press_names())
-
-
-def kvpress_press_names() -> set[str]:
-    """Press classes kvpress exports, read from its __init__ without importing it (an import takes ~6 s)."""
-    spec = importlib.util.find_spec("kvpress")
-    if spec is None or spec.origin is None:
-        raise ConfigError("kvpress is not installed; run `make setup`")
-    tree = ast.parse(Path(spec.origin).read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            names.update(a.asname or a.name for a in node.names)
-    return {n for n in names if n.endswith("Press")}
 
 
 if __name__ == "__main__":  # python -m kvlab.config FILE...: the strict read of config files, with line and column

@@ -194,3 +194,49 @@ def wrapper_problem(wrapper: str, press: str) -> str | None:
             if not any(is_subclass(press, w) for w in wanted):
                 return f"{wrapper} wraps only a {' or '.join(wanted)}, and {press} is not one"
     return None
+
+
+def suggest_press(name: str, presses) -> str | None:
+    """'did you mean X?' for a press name close to one kvpress has, by spelling (difflib), case and a missing
+    'Press' suffix ignored; None when nothing is close."""
+    if "h2o" in name.lower():
+        return "H2O is kvlab's own method (it scores at every decoding step): use `kind: h2o`"
+    lower = {p.lower(): p for p in presses}
+    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
+        if candidate in lower:
+            return f"did you mean {lower[candidate]}?"
+    for candidate in (name.lower(), name.lower().replace("_", "") + "press"):
+        close = difflib.get_close_matches(candidate, list(lower), n=1, cutoff=0.6)
+        if close:
+            return f"did you mean {lower[close[0]]}?"
+    return None
+
+
+@functools.cache
+def kvpress_wrapper_names() -> frozenset[str]:
+    """Exported presses that wrap another (a dataclass field `press`, declared or inherited), read from kvpress's
+    sources like the names (once per process: every preset of every snakemake start is validated)."""
+    spec = importlib.util.find_spec("kvpress")
+    bases, wrappers = {}, set()
+    for source in Path(spec.origin).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {getattr(b, "id", None) for b in node.bases}
+                if any(isinstance(s, ast.AnnAssign) and getattr(s.target, "id", None) == "press" for s in node.body):
+                    wrappers.add(node.name)
+    while grown := {c for c, b in bases.items() if b & wrappers} - wrappers:
+        wrappers |= grown
+    return frozenset(wrappers & kvpress_press_names())
+
+
+def kvpress_press_names() -> set[str]:
+    """Press classes kvpress exports, read from its __init__ without importing it (an import takes ~6 s)."""
+    spec = importlib.util.find_spec("kvpress")
+    if spec is None or spec.origin is None:
+        return set()  # press_problem says "kvpress is not installed"
+    tree = ast.parse(Path(spec.origin).read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names.update(a.asname or a.name for a in node.names)
+    return {n for n in names if n.endswith("Press")}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
@@ -11,15 +9,14 @@ from transformers import DynamicCache
 from kvlab.engine.model import attention_layers, is_sliding, language_model
 from kvlab.engine.prefill import Prefilled, shallow_copy
 from kvlab.kernels import accounting, kvcache
-from kvlab.methods import EVICTORS, Variant, layer_budgets
-from kvlab.methods.quantized import layouts, quantize_layers
+from kvlab.methods import Variant, layer_budgets
 
 
 @torch.no_grad()
 @record_function("kvlab.compress")
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
-    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any) or by its own evictor
-    (`EVICTORS`: H2O's layers, which go on evicting while decoding), then quantized (if a quantized method).
+    """A compressed copy of `base.cache` for `variant`: evicted by its press (if any), then changed as its kind
+    does (`MethodKind.apply`: H2O's layers, which go on evicting while decoding; a quantized kind's codes).
     For full, a copy sharing the base's tensors."""
     cache = shallow_copy(base.cache)
     press = variant.make_press()
@@ -55,10 +52,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 layer.masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
-    if variant.kind in EVICTORS:
-        importlib.import_module(EVICTORS[variant.kind]).evict(model, cache, base, variant, sliding)
-    if variant.quantized:
-        quantize_layers(cache, {"kind": variant.kind, **variant.params}, sliding, base.captures)
+    variant.impl.apply(model, cache, base, variant, sliding)
     return cache
 
 
@@ -101,7 +95,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
         if isinstance(layer, kvcache.QuantizedKVLayer):
             n = layer.counts()
-            key, value = layouts({"kind": variant.kind, **variant.params}, d)
+            key, value = variant.impl.layouts(d)
             dense_tokens = n["sink_tokens"] + n["residual_tokens"]
             formula += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
             stored_bf16 += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)

@@ -1,15 +1,28 @@
 """Methods by name: config entries become variants (a method at one budget) the engine can apply.
 
-Kinds: ``full`` (no compression, the reference), ``kvpress`` (any press class of kvpress by name), ``h2o``
-(``kvlab.methods.h2o``: H2O as published, scoring at every decoding step) and the quantized caches ``quant`` /
-``hf_quantized`` (``kvlab.methods.quantized``; ``quant`` composes with a press). A method that evicts runs at
-every budget; one that does not runs once, at budget 1.0.
+Each `kind` is a class (``kvlab.methods.base.MethodKind``) registered in `KINDS`: ``full`` (no compression,
+the reference), ``kvpress`` (any press class of kvpress by name), ``h2o`` (``kvlab.methods.h2o``: H2O as
+published, scoring at every decoding step), and the quantized caches ``quant`` (by `scheme`,
+``kvlab.methods.schemes``; it composes with a press) and ``hf_quantized`` (``kvlab.methods.quantized``). A
+method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
+(a `MethodKind`), one line in `KINDS`, and its branch in workflow/config.schema.yaml (README "Add a method").
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvlab.methods.base import Full, KVPress, MethodKind
+from kvlab.methods.h2o import H2O
+from kvlab.methods.quantized import HFQuantized, Quant
+
+KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Quant, HFQuantized)}
+
+
+def kind_of(spec: dict) -> MethodKind:
+    """The kind object of a config entry (with its `kind`; `tasks` is not the kind's)."""
+    return KINDS[spec["kind"]]({k: v for k, v in spec.items() if k not in ("kind", "tasks")})
 
 
 @dataclass(frozen=True)
@@ -22,8 +35,12 @@ class Variant:
     params: dict = field(default_factory=dict)
 
     @property
+    def impl(self) -> MethodKind:
+        return KINDS[self.kind](self.params)
+
+    @property
     def evicts(self) -> bool:
-        return evicts({"kind": self.kind, **self.params})
+        return self.impl.evicts
 
     @property
     def label(self) -> str:
@@ -31,21 +48,12 @@ class Variant:
 
     @property
     def quantized(self) -> bool:
-        from kvlab.methods.quantized import QUANT_KINDS
-
-        return self.kind in QUANT_KINDS
+        return self.impl.quantized
 
     @property
     def storage(self) -> dict:
         """How the kept entries are stored, for result rows: scheme, bits per element, KIVI axes."""
-        p = self.params
-        if self.kind == "hf_quantized":
-            return {"scheme": "hf_quanto", "bits": p["bits"], "key_axis": "token", "value_axis": "token"}
-        if self.kind != "quant":
-            return {"scheme": None, "bits": None, "key_axis": None, "value_axis": None}
-        bits = 8 if p["scheme"] in ("fp8", "int8") else p["bits"]
-        axes = (p["key_axis"], p["value_axis"]) if p["scheme"] == "kivi" else (None, None)
-        return {"scheme": p["scheme"], "bits": bits, "key_axis": axes[0], "value_axis": axes[1]}
+        return self.impl.storage
 
     @property
     def rerotates(self) -> bool:
@@ -55,17 +63,10 @@ class Variant:
         return self.params.get("wrapper") == "KeyRerotationPress"
 
     def make_press(self) -> Any:
-        """A fresh kvpress press for this variant (None when it evicts nothing); with `wrapper`, the press
-        wrapped in that kvpress wrapper (KeyRerotationPress, MergingPress, …), built with `wrapper_kwargs`."""
-        if "press" not in self.params:
-            return None
-        import kvpress
+        """A fresh kvpress press for this variant (None when it evicts nothing); see `press.make_press`."""
+        from kvlab.methods.press import make_press
 
-        cls = getattr(kvpress, self.params["press"])
-        press = cls(compression_ratio=1.0 - self.budget, **self.params.get("kwargs", {}))
-        if "wrapper" in self.params:
-            press = getattr(kvpress, self.params["wrapper"])(press=press, **self.params.get("wrapper_kwargs", {}))
-        return press
+        return make_press(self.params, self.budget)
 
 
 CALIBRATED = "calibrated"  # a kwarg value taken from the model's calibration instead of the config
@@ -73,11 +74,9 @@ CALIBRATED_KWARGS = {"n_sink": ("stream_sinks", "n_sink")}  # kwarg -> (calibrat
 
 
 def uses_calibration(methods: dict) -> bool:
-    from kvlab.methods.quantized import needs_calibration
-
     return any(
         v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values()
-    ) or any(needs_calibration(m) or m.get("layer_budgets") == CALIBRATED for m in methods.values())
+    ) or any(kind_of(m).needs_calibration() or m.get("layer_budgets") == CALIBRATED for m in methods.values())
 
 
 def layer_budgets(budget: float, weights: list[float], sliding: list[bool]) -> list[float]:
@@ -105,7 +104,6 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     from pathlib import Path
 
     from kvlab.io import read_parquet
-    from kvlab.methods.quantized import needs_calibration
 
     out = {}
     for name, spec in methods.items():
@@ -115,7 +113,7 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
                 table, column = CALIBRATED_KWARGS[key]
                 kwargs[key] = int(read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
         out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else dict(spec)
-        if needs_calibration(spec):
+        if kind_of(spec).needs_calibration():
             out[name]["calibration"] = str(calibration_dir)
         if spec.get("layer_budgets") == CALIBRATED:
             table = read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
@@ -123,17 +121,9 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     return out
 
 
-# Kinds that evict by themselves, besides any method with a kvpress press: kind -> module whose
-# `evict(model, cache, base, variant, sliding)` replaces the full-attention layers of a copy of the prefilled
-# cache (`base`: engine.Prefilled; `sliding`: which layers to leave alone). A layer that changes length while
-# decoding sets `own_layout = True` so the engine batches it row by row. A new kind: one module, one line here
-# (and its entry in workflow/config.schema.yaml).
-EVICTORS = {"h2o": "kvlab.methods.h2o"}
-
-
 def evicts(spec: dict) -> bool:
     """Whether a method entry keeps a fraction of the context (and so runs at every budget)."""
-    return "press" in spec or spec["kind"] in EVICTORS
+    return kind_of(spec).evicts
 
 
 def runs_on(spec: dict, task: str | None) -> bool:

@@ -1,32 +1,42 @@
-"""H2O in the engine (registered in `kvlab.methods.EVICTORS`): a prefilled cache → one
-`kvlab.kernels.h2o.H2OLayer` per full-attention layer.
+"""H2O in the engine: a prefilled cache → one `kvlab.kernels.h2o.H2OLayer` per full-attention layer.
 
 Config: ``{kind: h2o, recent: 0.5}`` — `recent` is the share of the kept tokens reserved for the newest
 ones (the paper splits the budget evenly between heavy hitters and recent tokens); the budget comes from
 `budgets`. Prefill scores are the attention each prompt token received from every later prompt token,
-computed from the captured attention inputs; decoding adds each new query's attention and evicts per step.
+computed from the captured attention inputs; decoding adds each new query's attention and evicts per step
+(an H2O layer changes length while decoding, so it sets `own_layout` and the engine batches it row by row).
 """
 
 from __future__ import annotations
 
-import torch
-
-from kvlab.kernels.h2o import H2OLayer, received_attention
+from kvlab.methods.base import MethodKind
 
 
-@torch.no_grad()
-def evict(model, cache, base, variant, sliding: list[bool]) -> None:
-    """Replace every full-attention layer of `cache` (a copy of the full prefill `base`) by an H2O layer at
-    the variant's budget."""
-    from kvlab.engine import attention_layers, queries
+class H2O(MethodKind):
+    """H2O as published: attention received, accumulated at every decoding step, evicts to the budget."""
 
-    modules, recent = attention_layers(model), variant.params["recent"]
-    for idx, layer in enumerate(cache.layers):
-        if sliding[idx]:
-            continue
-        module, cap = modules[idx], base.captures[idx]
-        t = layer.keys.shape[-2]
-        capacity = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
-        q = queries(module, cap.hidden_states, cap.cos, cap.sin)
-        scores = received_attention(q, layer.keys, module.scaling)
-        cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)
+    name = "h2o"
+
+    @property
+    def evicts(self) -> bool:
+        return True
+
+    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+        """Replace every full-attention layer of `cache` (a copy of the full prefill `base`) by an H2O layer at
+        the variant's budget."""
+        import torch
+
+        from kvlab.engine import attention_layers, queries
+        from kvlab.kernels.h2o import H2OLayer, received_attention
+
+        modules, recent = attention_layers(model), self.params["recent"]
+        with torch.no_grad():
+            for idx, layer in enumerate(cache.layers):
+                if sliding[idx]:
+                    continue
+                module, cap = modules[idx], base.captures[idx]
+                t = layer.keys.shape[-2]
+                capacity = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
+                q = queries(module, cap.hidden_states, cap.cos, cap.sin)
+                scores = received_attention(q, layer.keys, module.scaling)
+                cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)

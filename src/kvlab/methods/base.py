@@ -1,0 +1,77 @@
+"""The method-kind interface. A config entry `methods.NAME` becomes a :class:`MethodKind` of its `kind`
+(registered in `kvlab.methods.KINDS`), which owns everything kind-specific:
+
+- its parameters and their checks beyond the schema (:meth:`problem`, called by config validation);
+- whether it evicts (then it runs at every budget) and whether it reads the model's calibration;
+- what it does to a copy of the prefilled cache after any press has evicted (:meth:`apply`);
+- how its kept entries are stored: the row columns (:attr:`storage`) and the byte layout the accounting
+  formula counts (:meth:`layouts`).
+
+Modules holding kinds import torch and the kernels inside their methods only: config validation (every
+snakemake start) constructs kinds without loading them.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+# (key under the method entry, what is wrong and what would be right): config validation adds the file and path
+Problem = tuple[str, str] | None
+NO_STORAGE = {"scheme": None, "bits": None, "key_axis": None, "value_axis": None}
+
+
+class MethodKind:
+    """A method entry of one kind. `params` is the entry as validated (schema defaults filled) without `kind`
+    and `tasks`. The base class is a cache left as prefilled, evicted by a kvpress press when it has one."""
+
+    name: ClassVar[str]
+
+    def __init__(self, params: dict):
+        self.params = params
+
+    @property
+    def evicts(self) -> bool:
+        """Whether it keeps a fraction of the context, and so runs at every budget (any method with a press)."""
+        return "press" in self.params
+
+    @property
+    def quantized(self) -> bool:
+        """Whether its cache layers hold codes (such rows are batched layer by layer, one row each)."""
+        return False
+
+    def problem(self) -> Problem:
+        """The first problem of the entry that the schema cannot express, or None. A press's own checks are
+        made here for every kind that takes one (`kvlab.methods.press.press_problem`)."""
+        from kvlab.methods.press import press_problem
+
+        return press_problem(self.params) if "press" in self.params else None
+
+    def needs_calibration(self) -> bool:
+        """Whether it reads the model's calibration tables (then `params['calibration']` is their folder)."""
+        return False
+
+    @property
+    def storage(self) -> dict:
+        """Row columns: how kept entries are stored (scheme, bits per element, KIVI-style axes)."""
+        return dict(NO_STORAGE)
+
+    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+        """Change a copy of the prefilled cache (`base`: engine.Prefilled) after any press evicted from it; leave
+        the layers where `sliding` is True (sliding-window layers) alone."""
+
+    def layouts(self, head_dim: int):
+        """(key, value) `kvlab.kernels.accounting.TensorCodes` of a layer of codes, for the byte formula; None
+        for a kind whose layers are dense or not counted by the formula."""
+        return None
+
+
+class Full(MethodKind):
+    """The uncompressed reference: the prefilled cache as it is (exactly one per config)."""
+
+    name = "full"
+
+
+class KVPress(MethodKind):
+    """Any press class of kvpress, by name, with its keyword arguments (and an optional kvpress wrapper)."""
+
+    name = "kvpress"
