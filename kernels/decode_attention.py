@@ -98,7 +98,8 @@ def supported(layer) -> str | None:
     dim that is not a power of two from 16 to 256; KVQuant's pre-RoPE grid keys, which need each token's RoPE
     tables; mixed codecs; affine groups its tiles do not fit (see ``tileable``), or keys and values both on the
     channel axis with different groups or bits."""
-    from kvlab.kernels.kvcache import AffineCodec, FP8Codec, QuantizedKVLayer
+    from kvlab.kernels.codecs import AffineCodec, FP8Codec
+    from kvlab.kernels.kvcache import QuantizedKVLayer
 
     if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
         return None

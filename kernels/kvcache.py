@@ -14,33 +14,22 @@ group beyond the last ``residual`` tokens is quantized, the rest stays in the re
 tokens unquantized — so the tokens of a prefill chunk attend to each other exactly, as in KIVI, and a decoded
 token is quantized only once it leaves the residual window.
 
-Codecs (one per tensor): :class:`AffineCodec` (KIVI INT2/4/8 on a ``channel`` or ``token`` axis, per-token
-INT8), :class:`FP8Codec` (E4M3, static per-head scales from calibration or one dynamic per-tensor scale),
-:class:`GridKeyCodec` (KVQuant-style: pre-RoPE keys, per-channel calibrated range, non-uniform grid, optional
-per-vector sparse outliers). Code storage grows along the token axis, so one decode call covers it all.
-On CUDA the Triton kernels of ``triton_quant`` run; elsewhere the torch references of ``quant`` (equal codes).
+The codecs, one per tensor, are in ``kvlab.kernels.codecs``. Code storage grows along the token axis, so one
+decode call covers it all.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvlab.kernels import quant
-
-
-def ops(x: torch.Tensor):
-    """The Triton kernels on CUDA, the torch references elsewhere (same codes, tested)."""
-    if x.is_cuda:
-        from kvlab.kernels import triton_quant
-
-        return triton_quant
-    return quant
+from kvlab.kernels.codecs import AffineCodec
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -49,138 +38,6 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
-
-
-# --------------------------------------------------------------------------- #
-# Codecs: (B, H, n, D) float ↔ a dict of storage tensors whose dim 2 grows with tokens
-# --------------------------------------------------------------------------- #
-
-
-@dataclass
-class AffineCodec:
-    """Asymmetric min–max integers. ``channel``: per channel over groups of ``group`` tokens (KIVI keys);
-    ``token``: per token over groups of ``group`` channels (KIVI values; INT8 per-token with group = D).
-    ``encode`` takes x as checked (finite, within fp16 metadata's range): ``QuantizedKVLayer`` checks keys and
-    values together, with one wait on a GPU (``quant.check_input``)."""
-
-    bits: int
-    group: int
-    axis: str
-    fp16_metadata = True  # its scales and zero points are fp16 (the range check of quant.check_input)
-
-    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
-        b, h, n, d = x.shape
-        packed, scale, zero = ops(x).affine_quantize(quant.to_rows(x, self.axis, self.group), self.bits, checked=True)
-        if self.axis == "channel":  # rows are (b, h, token group, channel)
-            lead = (b, h, n // self.group, d)
-        else:  # rows are (b, h, token, channel group)
-            lead = (b, h, n, d // quant.value_group(self.group, d))
-        return {"codes": packed.view(*lead, -1), "scale": scale.view(lead), "zero": zero.view(lead)}
-
-    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
-        rows = ops(s["codes"]).affine_dequantize(
-            s["codes"].reshape(-1, s["codes"].shape[-1]), s["scale"].reshape(-1), s["zero"].reshape(-1), self.bits
-        )
-        return quant.from_rows(rows, self.axis, self.group, shape)
-
-
-@dataclass
-class FP8Codec:
-    """E4M3 codes of x / scale: static per-KV-head scales (calibration), or — when ``scales`` is None — one
-    per-tensor scale set from the first tensor encoded (the prefill) and reused for every later token."""
-
-    scales: torch.Tensor | None = None  # (H,) float32, static
-    dynamic: torch.Tensor | None = field(default=None, repr=False)  # () float32, set on first encode
-
-    def head_scales(self, heads: int, device) -> torch.Tensor:
-        """One float32 scale per KV head (H,): the static ones, or the dynamic per-tensor scale repeated. Static
-        scales move to the device once (not a host-to-device copy at every step, which a CUDA graph forbids)."""
-        if self.scales is not None:
-            if self.scales.device != torch.device(device) or self.scales.dtype != torch.float32:
-                self.scales = self.scales.to(device, torch.float32)
-            return self.scales
-        return self.dynamic.to(device, torch.float32).expand(heads)
-
-    def check_first_peak(self, peak: float, what: str) -> None:
-        """Refuse to set the dynamic scale from tokens that are all (nearly) zero: ``peak / 448`` would be a scale
-        so small that every later token saturates at ±448 × scale, i.e. is wiped out to about zero. Run by
-        ``QuantizedKVLayer.append`` with the peak its one read of the data already holds."""
-        if self.scales is None and self.dynamic is None and peak < quant.FP8_MIN_PEAK:
-            raise ValueError(
-                f"{what}: fp8 dynamic scale: the first tokens quantized peak at |x| = {peak:.3g} (below {quant.FP8_MIN_PEAK:.3g}), "
-                "too small to set the per-tensor scale from (later tokens would saturate); use scales: calibrated"
-            )
-
-    def _row_scales(self, x: torch.Tensor) -> torch.Tensor:
-        b, h, n, _ = x.shape
-        if self.scales is None and self.dynamic is None:
-            # The floor only binds where no read could run check_first_peak (a CUDA graph capture): it keeps
-            # |x| up to FP8_MIN_PEAK representable instead of a 1e-12 scale that saturates everything after.
-            self.dynamic = (x.detach().abs().amax().float() / quant.FP8_MAX).clamp_min(quant.FP8_MIN_PEAK / quant.FP8_MAX)
-        return self.head_scales(h, x.device).view(1, h, 1).expand(b, h, n).reshape(-1)
-
-    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
-        codes = ops(x).fp8_quantize(x.reshape(-1, x.shape[-1]), self._row_scales(x), checked=True)
-        return {"codes": codes.view(x.shape)}
-
-    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
-        scale = self._row_scales(torch.empty(shape, device=s["codes"].device, dtype=torch.float32))
-        return ops(s["codes"]).fp8_dequantize(s["codes"].reshape(-1, shape[-1]), scale).view(shape)
-
-    def constant_bytes(self) -> int:
-        """The dynamic per-tensor scale is part of the cache; static scales are calibration constants."""
-        return 4 if self.scales is None else 0
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def unrotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of RoPE k·cos + rotate_half(k)·sin (cos² + sin² is the rope's attention scaling squared)."""
-    return (k * cos - rotate_half(k) * sin) / (cos * cos + sin * sin)
-
-
-def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return k * cos + rotate_half(k) * sin
-
-
-@dataclass
-class GridKeyCodec:
-    """KVQuant-style keys: un-rotate to pre-RoPE with the tokens' own positions, map each channel onto
-    [-1, 1] by its calibrated range [lo, hi], take the nearest level of the layer's calibrated non-uniform
-    grid; the ``outliers`` largest normalized entries of each key vector are kept in fp16 (dense-and-sparse)
-    with a uint8 channel index. Decoding maps back and re-rotates."""
-
-    bits: int
-    levels: torch.Tensor  # (2^bits,) sorted, in normalized units
-    lo: torch.Tensor  # (H, D) calibrated pre-RoPE minimum per channel
-    hi: torch.Tensor  # (H, D) calibrated pre-RoPE maximum per channel
-    outliers: int = 0  # per key vector
-
-    def _affine(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-channel centre and half-width, broadcastable to (B, H, T, D)."""
-        lo, hi = self.lo.to(device, torch.float32), self.hi.to(device, torch.float32)
-        return ((hi + lo) / 2)[None, :, None], ((hi - lo) / 2).clamp_min(1e-12)[None, :, None]
-
-    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
-        centre, half = self._affine(x.device)
-        v = (unrotate(x.float(), cos[:, None].float(), sin[:, None].float()) - centre) / half
-        out = {"codes": ops(x).grid_quantize(v.reshape(-1, v.shape[-1]), self.levels.to(x.device), self.bits, checked=True).view(*v.shape[:3], -1)}
-        if self.outliers:
-            idx = v.abs().topk(self.outliers, dim=-1).indices
-            out["outlier_index"] = idx.to(torch.uint8)
-            out["outlier_value"] = v.gather(-1, idx).to(torch.float16)
-        return out
-
-    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
-        codes = s["codes"]
-        v = ops(codes).grid_dequantize(codes.reshape(-1, codes.shape[-1]), self.levels.to(codes.device), self.bits).view(shape)
-        if self.outliers:
-            v = v.scatter(-1, s["outlier_index"].long(), s["outlier_value"].float())
-        centre, half = self._affine(codes.device)
-        return rotate(v * half + centre, cos[:, None].float(), sin[:, None].float())
 
 
 # --------------------------------------------------------------------------- #

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab.kernels import decode_attention as da
-from kvlab.kernels import kvcache
+from kvlab.kernels import codecs, kvcache
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = ["cpu"] * INTERPRETED + ["cuda"] * torch.cuda.is_available()
@@ -21,18 +21,18 @@ HEADS, REP, DIM = 2, 7, 64
 def spec_for(name: str) -> kvcache.LayerSpec:
     if name == "fp8-static":
         scales = torch.tensor([0.01, 0.02])
-        return kvcache.LayerSpec(kvcache.FP8Codec(scales), kvcache.FP8Codec(scales * 0.5), group=1, residual=5)
+        return kvcache.LayerSpec(codecs.FP8Codec(scales), codecs.FP8Codec(scales * 0.5), group=1, residual=5)
     if name == "fp8-dynamic":
-        return kvcache.LayerSpec(kvcache.FP8Codec(), kvcache.FP8Codec(), group=1, residual=5)
+        return kvcache.LayerSpec(codecs.FP8Codec(), codecs.FP8Codec(), group=1, residual=5)
     if name == "int8-token":
-        codec = kvcache.AffineCodec(8, DIM, "token")
+        codec = codecs.AffineCodec(8, DIM, "token")
         return kvcache.LayerSpec(codec, codec, group=1, residual=3)
     if name in ("kivi4-keys-by-token", "kivi4-values-by-channel"):  # the other axis for keys or for values
         key_axis, value_axis = ("token", "token") if name == "kivi4-keys-by-token" else ("channel", "channel")
-        return kvcache.LayerSpec(kvcache.AffineCodec(4, 32, key_axis), kvcache.AffineCodec(4, 32, value_axis),
+        return kvcache.LayerSpec(codecs.AffineCodec(4, 32, key_axis), codecs.AffineCodec(4, 32, value_axis),
                                  group=32, residual=7, sink_tokens=3)
     bits, group = {"kivi2": (2, 32), "kivi4": (4, 32), "kivi4-g64": (4, 64), "kivi4-g16": (4, 16), "kivi8": (8, 32)}[name]
-    return kvcache.LayerSpec(kvcache.AffineCodec(bits, group, "channel"), kvcache.AffineCodec(bits, group, "token"),
+    return kvcache.LayerSpec(codecs.AffineCodec(bits, group, "channel"), codecs.AffineCodec(bits, group, "token"),
                              group=group, residual=7, sink_tokens=3)
 
 
@@ -151,8 +151,8 @@ def test_layouts_the_tiles_do_not_fit_take_the_dequantizing_path():
     assert odd.quantized and da.supported(odd) is None
     # keys and values both by channel but of other bits (their tiles would order tokens differently), and
     # INT2 values in groups of 8 channels (16 bits, less than the kernel's 32-bit loads)
-    for value in (kvcache.AffineCodec(2, 32, "channel"), kvcache.AffineCodec(2, 8, "token")):
-        spec = kvcache.LayerSpec(kvcache.AffineCodec(4, 32, "channel"), value, group=32, residual=7)
+    for value in (codecs.AffineCodec(2, 32, "channel"), codecs.AffineCodec(2, 8, "token")):
+        spec = kvcache.LayerSpec(codecs.AffineCodec(4, 32, "channel"), value, group=32, residual=7)
         layer = kvcache.layer_from_dense(*layer_and_query("kivi4", 45)[0].full(), spec)
         assert layer.quantized and da.supported(layer) is None
         torch.testing.assert_close(da.decode_attention(q, layer, new_k, new_v, 0.125),
@@ -168,7 +168,7 @@ def test_fp8_codes_are_read_from_sm89_on():
 def test_layers_the_kernel_cannot_read_are_refused_by_name():
     levels = torch.linspace(-1, 1, 16)
     lo, hi = -torch.ones(HEADS, DIM), torch.ones(HEADS, DIM)
-    spec = kvcache.LayerSpec(kvcache.GridKeyCodec(4, levels, lo, hi), kvcache.AffineCodec(4, 32, "token"), group=32,
+    spec = kvcache.LayerSpec(codecs.GridKeyCodec(4, levels, lo, hi), codecs.AffineCodec(4, 32, "token"), group=32,
                              residual=4, rope=True)
     layer = kvcache.QuantizedKVLayer(spec)
     assert da.supported(layer) is None

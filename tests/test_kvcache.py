@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
-from kvlab.kernels import accounting, kvcache, quant
+from kvlab.kernels import accounting, codecs, kvcache, quant
 from kvlab.methods import Variant, kind_of, variants
 
 H, D = 2, 16
@@ -42,8 +42,8 @@ def kvquant_spec(bits=4, outliers=0.0, sink_tokens=0) -> kvcache.LayerSpec:
     levels = torch.linspace(-1, 1, 2**bits)
     hi = torch.full((H, D), 3.0)
     hi[:, 3] = 60.0
-    key = kvcache.GridKeyCodec(bits, levels, -hi, hi, kvcache.outliers_per_vector(outliers, D))
-    return kvcache.LayerSpec(key, kvcache.AffineCodec(bits, 8, "token"), group=8, residual=8, sink_tokens=sink_tokens, rope=True)
+    key = codecs.GridKeyCodec(bits, levels, -hi, hi, kvcache.outliers_per_vector(outliers, D))
+    return kvcache.LayerSpec(key, codecs.AffineCodec(bits, 8, "token"), group=8, residual=8, sink_tokens=sink_tokens, rope=True)
 
 
 SPECS = {
@@ -52,7 +52,7 @@ SPECS = {
     "int8": lambda: kind_of(qspec("int8")).scheme.layer_spec(0, H, D),
     "lmdeploy4": lambda: kind_of(qspec("lmdeploy")).scheme.layer_spec(0, H, D),
     "fp8_dynamic": lambda: kind_of(qspec("fp8")).scheme.layer_spec(0, H, D),
-    "fp8_static": lambda: kvcache.LayerSpec(kvcache.FP8Codec(torch.full((H,), 0.05)), kvcache.FP8Codec(torch.full((H,), 0.01)), 1, 0),
+    "fp8_static": lambda: kvcache.LayerSpec(codecs.FP8Codec(torch.full((H,), 0.05)), codecs.FP8Codec(torch.full((H,), 0.01)), 1, 0),
     "kvquant": lambda: kvquant_spec(outliers=0.05, sink_tokens=2),
 }
 LAYOUTS = {
@@ -161,9 +161,9 @@ def test_kvquant_quantizes_keys_before_rope():
     levels = torch.tensor([-2.0, -1.0, 0.0, 1.0])
     pre = levels[torch.randint(0, 4, (1, H, t, D), generator=torch.Generator().manual_seed(0))]
     cos, sin = rope_tables(t)
-    keys = kvcache.rotate(pre, cos[:, None], sin[:, None])
+    keys = codecs.rotate(pre, cos[:, None], sin[:, None])
     # range [-2, 2] per channel: normalized values are the key values / 2
-    codec = kvcache.GridKeyCodec(2, levels / 2, torch.full((H, D), -2.0), torch.full((H, D), 2.0))
+    codec = codecs.GridKeyCodec(2, levels / 2, torch.full((H, D), -2.0), torch.full((H, D), 2.0))
     back = codec.decode(codec.encode(keys, cos, sin), keys.shape, cos, sin)
     torch.testing.assert_close(back, keys, atol=1e-5, rtol=0)
     # quantizing the rotated keys directly on that grid would not be lossless
@@ -176,8 +176,8 @@ def test_kvquant_outliers_and_sinks_are_kept_in_full_precision():
     layer = kvcache.layer_from_dense(keys, values, kvquant_spec(bits=2, outliers=0.05, sink_tokens=2), cos, sin)
     k, _ = layer.full()
     assert torch.equal(k[..., :2, :], keys[..., :2, :])  # sinks
-    pre = kvcache.unrotate(keys, cos[:, None], sin[:, None])
-    back = kvcache.unrotate(k, cos[:, None], sin[:, None])
+    pre = codecs.unrotate(keys, cos[:, None], sin[:, None])
+    back = codecs.unrotate(k, cos[:, None], sin[:, None])
     worst = (pre - back).abs()[..., 2:24, :].argmax(-1)  # within quantized tokens
     biggest = (pre / layer.spec.key.hi[None, :, None]).abs()[..., 2:24, :].argmax(-1)  # symmetric ranges here
     assert not bool((worst == biggest).any())  # the largest entry of every vector is never the worst one
@@ -287,7 +287,7 @@ def test_fp8_dynamic_scale_refuses_an_all_zero_prefill():
 def test_fp8_dynamic_scale_floor_keeps_later_tokens_when_no_read_could_check():
     """Where the first peak cannot be read (a CUDA graph capture) the scale's floor still leaves later tokens of
     |x| ≤ FP8_MIN_PEAK representable; the old 1e-12 floor reduced them all to about zero."""
-    codec = kvcache.FP8Codec()
+    codec = codecs.FP8Codec()
     codec.encode(torch.zeros(1, H, 4, D))
     assert float(codec.dynamic) == pytest.approx(quant.FP8_MIN_PEAK / quant.FP8_MAX)
     x = torch.full((1, H, 1, D), quant.FP8_MIN_PEAK / 2)

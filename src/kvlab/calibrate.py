@@ -35,7 +35,7 @@ from kvlab.config import CALIBRATION_TABLES
 from kvlab.corpus import kjv_sentences, prose_ids
 from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding, project
 from kvlab.io import write_parquet
-from kvlab.kernels.kvcache import rotate
+from kvlab.kernels.codecs import rotate
 from kvlab.models.card import read_card
 
 log = logging.getLogger(__name__)

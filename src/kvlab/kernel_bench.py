@@ -25,7 +25,7 @@ import torch
 
 from kvlab.columns import DECODE_KERNEL_COLUMNS
 from kvlab.hardware import device_name
-from kvlab.kernels import decode_attention, kvcache
+from kvlab.kernels import codecs, decode_attention, kvcache
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,9 @@ COLUMNS = list(DECODE_KERNEL_COLUMNS)
 def formats(group: int, residual: int) -> dict[str, kvcache.LayerSpec | None]:
     """The storage formats timed: None is the dense cache in the model dtype."""
     kivi = lambda bits: kvcache.LayerSpec(  # noqa: E731
-        kvcache.AffineCodec(bits, group, "channel"), kvcache.AffineCodec(bits, group, "token"), group=group, residual=residual
+        codecs.AffineCodec(bits, group, "channel"), codecs.AffineCodec(bits, group, "token"), group=group, residual=residual
     )
-    return {"dense": None, "fp8": kvcache.LayerSpec(kvcache.FP8Codec(), kvcache.FP8Codec(), group=1, residual=0),
+    return {"dense": None, "fp8": kvcache.LayerSpec(codecs.FP8Codec(), codecs.FP8Codec(), group=1, residual=0),
             "int4": kivi(4), "int2": kivi(2)}
 
 

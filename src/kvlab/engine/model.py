@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels import kvcache
+from kvlab.kernels import codecs
 
 
 def language_model(model) -> torch.nn.Module:
@@ -34,7 +34,7 @@ def project(module, hidden: torch.Tensor, which: str) -> torch.Tensor:
 
 def queries(module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The attention's post-RoPE queries (B, Hq, T, d), recomputed from its input (for attention scores)."""
-    return kvcache.rotate(project(module, hidden, "q"), cos[:, None], sin[:, None])
+    return codecs.rotate(project(module, hidden, "q"), cos[:, None], sin[:, None])
 
 def stop_ids(model) -> set[int]:
     eos = model.generation_config.eos_token_id

@@ -30,9 +30,9 @@ class FP8(QuantScheme):
         return torch.tensor(rows["scale"].to_numpy(), dtype=torch.float32).clamp_min(quant.FP8_MIN_PEAK / quant.FP8_MAX)
 
     def layer_spec(self, layer: int, heads: int, head_dim: int):
-        from kvlab.kernels import kvcache
+        from kvlab.kernels import codecs, kvcache
 
-        key, value = (kvcache.FP8Codec(self._scales(layer, t)) for t in ("key", "value"))
+        key, value = (codecs.FP8Codec(self._scales(layer, t)) for t in ("key", "value"))
         return kvcache.LayerSpec(key, value, group=1, residual=self.residual)
 
     def layouts(self, head_dim: int):

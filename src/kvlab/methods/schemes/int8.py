@@ -11,9 +11,9 @@ class PerTokenInt(QuantScheme):
     both tensors alike, each token quantized as it is written (group 1)."""
 
     def layer_spec(self, layer: int, heads: int, head_dim: int):
-        from kvlab.kernels import kvcache
+        from kvlab.kernels import codecs, kvcache
 
-        codec = kvcache.AffineCodec(self.bits, head_dim, "token")
+        codec = codecs.AffineCodec(self.bits, head_dim, "token")
         return kvcache.LayerSpec(codec, codec, group=1, residual=self.residual)
 
     def layouts(self, head_dim: int):

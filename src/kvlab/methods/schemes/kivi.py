@@ -22,10 +22,10 @@ class KIVI(QuantScheme):
         return None
 
     def layer_spec(self, layer: int, heads: int, head_dim: int):
-        from kvlab.kernels import kvcache
+        from kvlab.kernels import codecs, kvcache
 
         (key_axis, value_axis), group = self.axes, self.params["group"]
-        return kvcache.LayerSpec(kvcache.AffineCodec(self.bits, group, key_axis), kvcache.AffineCodec(self.bits, group, value_axis),
+        return kvcache.LayerSpec(codecs.AffineCodec(self.bits, group, key_axis), codecs.AffineCodec(self.bits, group, value_axis),
                                  group=group, residual=self.residual)
 
     def layouts(self, head_dim: int):

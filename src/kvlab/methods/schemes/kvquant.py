@@ -35,11 +35,11 @@ class KVQuant(QuantScheme):
         return torch.tensor(g["value"].to_numpy(), dtype=torch.float32), lo, hi
 
     def layer_spec(self, layer: int, heads: int, head_dim: int):
-        from kvlab.kernels import kvcache
+        from kvlab.kernels import codecs, kvcache
 
         levels, lo, hi = self._tables(layer, heads, head_dim)
-        key = kvcache.GridKeyCodec(self.bits, levels, lo, hi, kvcache.outliers_per_vector(self.params["outliers"], head_dim))
-        value = kvcache.AffineCodec(self.bits, self.params["group"], "token")
+        key = codecs.GridKeyCodec(self.bits, levels, lo, hi, kvcache.outliers_per_vector(self.params["outliers"], head_dim))
+        value = codecs.AffineCodec(self.bits, self.params["group"], "token")
         return kvcache.LayerSpec(key, value, group=self.params["group"], residual=self.residual,
                                  sink_tokens=self.params["sink_tokens"], rope=True)
 
