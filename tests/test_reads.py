@@ -123,7 +123,8 @@ def test_config_defaults_are_the_papers():
 
 
 GEMMA_LIKE = {"name": "g", "num_layers": 3, "num_kv_heads": 1, "head_dim": 8, "layer_types": ["sliding", "sliding", "full"],
-              "sliding_window": 512, "n_params": 1_000_000, "max_position_embeddings": 32_768}
+              "sliding_window": 512, "n_params": 1_000_000, "max_position_embeddings": 32_768, "vocab_size": 1_000,
+              "hidden_size": 256}
 
 
 def test_rows_cover_every_model_up_to_its_context():
@@ -136,6 +137,8 @@ def test_rows_cover_every_model_up_to_its_context():
     one = cross[(cross["model"] == "g") & (cross["weight_format"] == "bf16") & (cross["kv_scheme"] == "bf16")].iloc[0]
     # 2,000,000 B of weights; 2 sliding layers hold 512 tokens × 32 B, the full layer 32 B per token
     assert one["crossover_tokens"] == (2_000_000 - 2 * 512 * 32) // 32 + 1
+    assert one["note"].startswith("the input embedding (25.6% of the parameters)")  # 1,000 × 256 of 1,000,000
+    assert "beyond the model's 32,768-token context" in one["note"]
 
 
 def test_claims_c13_c14_on_the_shipped_config():

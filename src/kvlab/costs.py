@@ -53,11 +53,13 @@ def _note(card: dict) -> str:
     return ""
 
 
-def _models(cards: list[dict]) -> list[tuple[KVGeometry, int, int]]:
-    """(geometry, parameters, maximum context) of the article's Llama-3-70B and of every evaluated model's card
-    (its parameters counted from the loaded tensors by rule acquire_model)."""
-    return [(LLAMA_31_70B, LLAMA_3_70B_PARAMS, ARTICLE_CONTEXT_TOKENS)] + [
-        (KVGeometry.from_card(c), int(c["n_params"]), int(c["max_position_embeddings"])) for c in cards]
+def _models(cards: list[dict]) -> list[tuple[KVGeometry, int, int, int]]:
+    """(geometry, parameters, maximum context, input-embedding parameters) of the article's Llama-3-70B (vocabulary
+    128256 × hidden 8192) and of every evaluated model's card (its parameters counted from the loaded tensors by
+    rule acquire_model)."""
+    return [(LLAMA_31_70B, LLAMA_3_70B_PARAMS, ARTICLE_CONTEXT_TOKENS, 128_256 * 8_192)] + [
+        (KVGeometry.from_card(c), int(c["n_params"]), int(c["max_position_embeddings"]),
+         int(c["vocab_size"]) * int(c["hidden_size"])) for c in cards]
 
 
 def read_rows(cards: list[dict], sparse: dict) -> pd.DataFrame:
@@ -65,7 +67,7 @@ def read_rows(cards: list[dict], sparse: dict) -> pd.DataFrame:
     model at each configured context up to its maximum."""
     nsa, moba = NSA(**sparse["nsa"]), MoBA(**sparse["moba"])
     rows = []
-    for geom, _, max_context in _models(cards):
+    for geom, _, max_context, _ in _models(cards):
         for tokens in (t for t in sparse["context_tokens"] if t <= max_context):
             full = decode_read_bytes(geom, tokens)
             kv, scored = moba.read_tokens(tokens)
@@ -86,7 +88,8 @@ def crossover_rows(cards: list[dict], crossover: dict) -> pd.DataFrame:
     """Per model, weight format and KV scheme (config `report.crossover`): the shortest context whose KV reads per
     decode step of one sequence exceed the weight bytes."""
     rows = []
-    for geom, params, max_context in _models(cards):
+    for geom, params, max_context, embedding in _models(cards):
+        counted = f"the input embedding ({embedding / params:.1%} of the parameters) counted whole; a step reads one row"
         for bits in crossover["weight_bits"]:
             weights = weight_bytes(params, bits)
             for text in crossover["kv_schemes"]:
@@ -97,7 +100,7 @@ def crossover_rows(cards: list[dict], crossover: dict) -> pd.DataFrame:
                              "weight_format": "bf16" if bits == 16 else f"{bits}-bit", "weight_bytes": weights,
                              "kv_scheme": scheme.name, "kv_bytes_per_token": bytes_per_token(geom, scheme),
                              "crossover_tokens": at, "max_context": max_context,
-                             "note": f"beyond the model's {max_context:,}-token context" if beyond else ""})
+                             "note": counted + (f"; beyond the model's {max_context:,}-token context" if beyond else "")})
     return pd.DataFrame(rows).astype({"crossover_tokens": "Int64"})
 
 
