@@ -3,8 +3,12 @@ rule cost_table:
         model_dirs=model_dirs(),
     output:
         costs="results/accounting/costs.parquet",
+        reads="results/accounting/reads.parquet",
+        crossover="results/accounting/crossover.parquet",
     params:
         context_tokens=config["report"]["cost_context_tokens"],
+        sparse_reads=config["report"]["sparse_reads"],
+        crossover=config["report"]["crossover"],
     log:
         "logs/cost_table.log",
     localrule: True

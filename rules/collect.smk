@@ -5,6 +5,8 @@ rule collect:
         calibration=calibration_tables(),
         model_dirs=model_dirs(),
         costs="results/accounting/costs.parquet",
+        reads="results/accounting/reads.parquet",
+        crossover="results/accounting/crossover.parquet",
         benchmarks=[
             f"results/benchmarks/evaluate/{p.removeprefix('results/eval/').removesuffix('.parquet')}.tsv"
             for p in eval_rows()

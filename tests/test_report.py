@@ -32,6 +32,7 @@ def test_no_network_references(page):
 def test_sections_and_queries_present(page):
     for title in ("Summary", "Claims", "Decision table (article §7.2), regenerated", "Accuracy vs KV bytes", "Eviction: which tokens survive", "Divergence from the full cache", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
+                  "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches"):
         assert f"<h2>{title}</h2>" in page
@@ -47,7 +48,7 @@ def test_sections_and_queries_present(page):
     c3 = page[page.index("C3 FP8 KL ≈ 1e-3 nat: "):][:300]
     assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ") and "nat (too few samples to bound it), n=1 at 256" in c3
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
-    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 13)} <= set(claims)
+    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 15)} <= set(claims)
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):

@@ -10,7 +10,7 @@ build(
     speed_files=snakemake.input.speed,  # noqa: F821
     calibration_files=snakemake.input.calibration,  # noqa: F821
     model_dirs=snakemake.input.model_dirs,  # noqa: F821
-    cost_file=snakemake.input.costs,  # noqa: F821
+    cost_files={name: snakemake.input[name] for name in ("costs", "reads", "crossover")},  # noqa: F821
     benchmark_files=snakemake.input.benchmarks,  # noqa: F821
     config=snakemake.params.config,  # noqa: F821
 )

@@ -64,12 +64,13 @@ def build(
     speed_files: list,
     calibration_files: list,
     model_dirs: list,
-    cost_file: str | Path,
+    cost_files: dict[str, str | Path],
     benchmark_files: list,
     config: dict,
 ) -> None:
     """Write every table the report reads: eval, throughput, engine_vs_pipeline, decode_kernels, calib_* (one per
-    calibration table, all models), models, costs, benchmarks, provenance."""
+    calibration table, all models), models, the cost_table rule's tables (`cost_files`: costs, reads, crossover →
+    its Parquet file), benchmarks, provenance."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
         [{**{k: v for k, v in c.items() if k not in NESTED_CARD_KEYS}, **{k: json.dumps(c[k]) for k in NESTED_CARD_KEYS if k in c}}
@@ -85,7 +86,7 @@ def build(
             for name in CALIBRATION_TABLES
         },
         "models": models,
-        "costs": read_parquet(cost_file),
+        **{name: read_parquet(path) for name, path in cost_files.items()},
         "benchmarks": read_benchmarks(benchmark_files),
         "provenance": provenance(config),
     }

@@ -10,6 +10,7 @@ import jsonschema
 import yaml
 
 from kvlab import press_source
+from kvlab.kernels.accounting import Scheme
 from kvlab.methods import kind_of
 
 
@@ -190,6 +191,7 @@ def _check_semantics(config: dict, where: str) -> None:
                               "(each KV head serves a whole group of query heads); pick a divisor of heads")
     if not any(m["evaluate"] for m in config["models"].values()):
         raise ConfigError(f"{where}: key 'models': no model has evaluate: true; at least one must be evaluated")
+    _check_reads(config["report"], where)
     bench = config["benchmark"]["task"]
     if bench not in config["tasks"] or config["tasks"][bench]["kind"] != "niah" or config["tasks"][bench]["question_position"] != "after":
         niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]
@@ -209,6 +211,19 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
                         f"max_position_embeddings {limit}"
                     )
+
+
+def _check_reads(report: dict, where: str) -> None:
+    """The cost table's read accounting: NSA's stride within its block, KV schemes the accounting parses."""
+    nsa = report["sparse_reads"]["nsa"]
+    if nsa["compress_stride"] > nsa["compress_block"]:
+        raise ConfigError(f"{where}: key 'report.sparse_reads.nsa.compress_stride': {nsa['compress_stride']} exceeds "
+                          f"compress_block {nsa['compress_block']} (blocks would skip tokens); use at most the block")
+    for i, text in enumerate(report["crossover"]["kv_schemes"]):
+        try:
+            Scheme.parse(text)
+        except ValueError as error:
+            raise ConfigError(f"{where}: key 'report.crossover.kv_schemes[{i}]': {error}") from None
 
 
 CALIBRATION_TABLES = (

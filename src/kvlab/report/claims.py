@@ -1,10 +1,10 @@
-"""The study's claims C1–C12 in one table: what each says, the rule and thresholds that decide it, the queries
+"""The study's claims C1–C14 in one table: what each says, the rule and thresholds that decide it, the queries
 (queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, decision.c12).
 
 The claims section lists every claim; the calibration, quantization and eviction sections list their own.
 Statistical claims (C3–C8, C11, C12) are decided from one-sided 95% bounds (kvlab.report.stats): holds, does
-not hold or inconclusive; C1, C2 (descriptive statistics of the calibration pass), C9 (arithmetic) and C10
-(bytes counted) are not sampled and are decided on their numbers.
+not hold or inconclusive; C1, C2 (descriptive statistics of the calibration pass), C9, C13 and C14 (arithmetic:
+the formula on the model geometry) and C10 (bytes counted) are not sampled and are decided on their numbers.
 """
 
 from __future__ import annotations
@@ -67,6 +67,12 @@ CLAIMS = [
     Claim(11, "C11 PyramidKV ≥ SnapKV at equal total budget", ("answers",), eviction.c11,
           "upper bound of SnapKV − PyramidKV ≤ {tolerance_points:g} points at every budget"),
     Claim(12, "C12 the decision table, regenerated from this run", ("answers",), decision.c12),
+    Claim(13, "C13 NSA: 64K decode reads ≈ 11× fewer KV bytes", ("cost_reads",), cost.c13,
+          "{ratio:g} ± {slack:g} at {context:,} tokens (the article's ≈: one unit in its last digit)",
+          {"ratio": 11.0, "slack": 1.0, "context": 65536}),
+    Claim(14, "C14 Llama-3-70B: KV reads exceed weight reads from ≈ 40K context", ("cost_crossover",), cost.c14,
+          "some weight × KV format's crossover at one sequence within ± {tolerance:.0%} of {context:,} tokens "
+          "(the article's 40K, 40 × 1024)", {"context": 40960, "tolerance": 0.25}),
 ]
 BY_NUMBER = {c.number: c for c in CLAIMS}
 
@@ -77,6 +83,6 @@ def verdicts(numbers: list[int], q: dict[str, pd.DataFrame], rule: Rule = Rule()
 
 
 def claims_frame(q: dict[str, pd.DataFrame], rule: Rule = Rule()) -> pd.DataFrame:
-    """Every claim's verdict, C1 to C12 in order, with the queries behind it."""
+    """Every claim's verdict, C1 to C14 in order, with the queries behind it."""
     rows = [(*v, ", ".join(c.queries)) for c in CLAIMS for v in c.verdicts(q, rule)]
     return pd.DataFrame(rows, columns=["claim", "verdict", "evidence", "query"])

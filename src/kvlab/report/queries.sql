@@ -170,6 +170,16 @@ FROM costs WHERE source = 'article';
 SELECT model, scheme, bytes_per_token, context_tokens, total_bytes, total_human, ratio_vs_bf16, note
 FROM costs WHERE source = 'model' ORDER BY model, total_bytes DESC;
 
+-- name: cost_reads
+-- KV bytes one decode step reads, NSA and MoBA against full attention (kvlab.kernels.reads), per model and context.
+SELECT model, context_tokens, method, kv_bytes_read, read_human, fewer_bytes_than_full, read_per_layer_and_kv_head, note
+FROM reads ORDER BY model, context_tokens, kv_bytes_read DESC;
+
+-- name: cost_crossover
+-- The shortest context whose KV reads per decode step of one sequence exceed the weight bytes (article §8.3).
+SELECT model, parameters, weight_format, weight_bytes, kv_scheme, kv_bytes_per_token, crossover_tokens, max_context, note
+FROM crossover ORDER BY model, weight_bytes DESC, kv_bytes_per_token DESC;
+
 -- name: bytes_measured
 -- Bytes held by this run's real caches (summed from the stored tensors) beside the accounting formula.
 SELECT model, method, budget, question_mode, dtype,

@@ -5,7 +5,7 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, decision, divergence, engine,
+    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
     eval_cost, eviction, kernels, models, provenance, quant, summary, tasks, throughput,
 )
 
@@ -23,6 +23,7 @@ SECTIONS = [
     engine,
     eval_cost,
     cost_article,
+    cost_reads,
     cost_models,
     bytes_measured,
     models,
