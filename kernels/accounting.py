@@ -35,16 +35,13 @@ import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
+from kvlab.kernels.layouts import TensorCodes, ceil_div, stored_layer_bytes, tensor_code_bytes
+
 BF16_BYTES = 2
 """Bytes per element of a BF16 (full-precision) cache entry."""
 
 ARTICLE_CONTEXT_TOKENS = 131_072
 """The article's "128K" context, 128 × 1024 tokens."""
-
-
-def _ceil_div(a: int, b: int) -> int:
-    """Ceiling of ``a / b`` for non-negative ints, without floats."""
-    return -(-a // b)
 
 
 def _exact_fraction(x: float) -> Fraction:
@@ -297,10 +294,10 @@ def _quantized_layer_bytes(geom: KVGeometry, scheme: Scheme, n: int) -> int:
     """
     meta = scheme.scale_bytes + scheme.zero_bytes
     if geom.latent_dim is not None:
-        codes = _ceil_div(n * geom.latent_dim * scheme.bits, 8)
+        codes = ceil_div(n * geom.latent_dim * scheme.bits, 8)
         if scheme.group is None:
             return codes
-        return codes + n * _ceil_div(geom.latent_dim, scheme.group) * meta
+        return codes + n * ceil_div(geom.latent_dim, scheme.group) * meta
     if scheme.group is None:
         codes = TensorCodes(scheme.bits, "static")
         return 2 * tensor_code_bytes(codes, geom.kv_heads, geom.head_dim, n)
@@ -310,60 +307,19 @@ def _quantized_layer_bytes(geom: KVGeometry, scheme: Scheme, n: int) -> int:
     return stored_layer_bytes(key, value, geom.kv_heads, geom.head_dim, n, 0, 0)
 
 
-@dataclass(frozen=True)
-class TensorCodes:
-    """How a real cache stores one tensor (keys or values) of one layer, for :func:`stored_layer_bytes`.
-
-    ``grouping`` says where the metadata goes: ``channel`` (one fp16 scale + fp16 zero per channel per
-    ``group`` tokens, KIVI keys), ``token`` (per token per ``min(group, head_dim)`` channels, KIVI values and
-    per-token INT8), ``static`` (scales fixed by calibration: model constants, 0 bytes in the cache) or
-    ``tensor`` (one fp32 scale per layer, set at prefill). ``outliers`` sparse entries per vector cost 3 bytes
-    each (fp16 value + uint8 channel index).
-    """
-
-    bits: int
-    grouping: str
-    group: int = 0
-    meta_bytes: int = 4
-    outliers: int = 0
-
-
-def tensor_code_bytes(codes: TensorCodes, kv_heads: int, head_dim: int, tokens: int) -> int:
-    """Exact bytes of ``tokens`` quantized tokens of one tensor of one layer (codes packed per head)."""
-    n, d = tokens, head_dim
-    total = kv_heads * _ceil_div(n * d * codes.bits, 8) + kv_heads * n * codes.outliers * 3
-    if codes.grouping == "channel":
-        total += kv_heads * d * _ceil_div(n, codes.group) * codes.meta_bytes
-    elif codes.grouping == "token":
-        total += kv_heads * n * _ceil_div(d, min(codes.group, d)) * codes.meta_bytes
-    elif codes.grouping == "tensor":
-        total += 4
-    elif codes.grouping != "static":
-        raise ValueError(f"grouping must be channel, token, static or tensor, got {codes.grouping!r}")
-    return total
-
-
-def stored_layer_bytes(key: TensorCodes, value: TensorCodes, kv_heads: int, head_dim: int, quantized: int,
-                       dense: int, dense_bytes: int) -> int:
-    """Bytes one quantized cache layer stores: ``quantized`` tokens as codes, ``dense`` tokens (residual
-    window and sinks) at ``dense_bytes`` per element."""
-    return (tensor_code_bytes(key, kv_heads, head_dim, quantized) + tensor_code_bytes(value, kv_heads, head_dim, quantized)
-            + dense * 2 * kv_heads * head_dim * dense_bytes)
-
-
 def _layer_bytes_per_token(geom: KVGeometry, scheme: Scheme) -> Fraction:
     """Steady-state (amortized) quantized bytes per token of one layer, exact."""
     meta = scheme.scale_bytes + scheme.zero_bytes
     if geom.latent_dim is not None:
         b = Fraction(geom.latent_dim * scheme.bits, 8)
         if scheme.group is not None:
-            b += _ceil_div(geom.latent_dim, scheme.group) * meta
+            b += ceil_div(geom.latent_dim, scheme.group) * meta
         return b
     d, g = geom.head_dim, scheme.group
     per_head = Fraction(2 * d * scheme.bits, 8)
     if g is not None:
         per_head += Fraction(d * meta, g)  # key metadata, amortized over g tokens
-        per_head += _ceil_div(d, g) * meta  # value metadata
+        per_head += ceil_div(d, g) * meta  # value metadata
     return geom.kv_heads * per_head
 
 
@@ -445,77 +401,3 @@ def compression_ratio(geom: KVGeometry, scheme: Scheme, tokens: int | None = Non
         num = Fraction(context_bytes(geom, Scheme.bf16(), tokens))
         den = Fraction(context_bytes(geom, scheme, tokens))
     return float(num / den)
-
-
-def human_bytes(n: int) -> str:
-    """Format a byte count in binary units with 2 decimals ("40.00 GiB", "512 B").
-
-    Rounds half up, using integer arithmetic only.
-    """
-    if n < 0:
-        raise ValueError("byte count must be >= 0")
-    if n < 1024:
-        return f"{n} B"
-    units = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-    k = 1
-    while k < len(units) and n >= 1024 ** (k + 1):
-        k += 1
-    unit = 1024**k
-    hundredths = (n * 100 + unit // 2) // unit
-    return f"{hundredths // 100}.{hundredths % 100:02d} {units[k - 1]}"
-
-
-# --------------------------------------------------------------------------- #
-# The article's §8 cost table
-# --------------------------------------------------------------------------- #
-
-
-def article_cost_table() -> list[dict]:
-    """Rows of the article's §8 cost table at 128K = 131,072 tokens.
-
-    Each row: ``model``, ``scheme``, ``bytes_per_token`` (steady-state, per
-    stored token), ``context_tokens``, ``total_bytes`` (physical view,
-    :func:`context_bytes`), ``article_view`` (:func:`article_view_bytes`),
-    ``total_human``, ``article_printed`` (the article's 128K figure),
-    ``article_printed_per_token`` (its per-token figure, where it prints one)
-    and ``note``.  The article's "KB"/"MB"/"GB" are binary units
-    (KiB/MiB/GiB).
-    """
-    t = ARTICLE_CONTEXT_TOKENS
-    specs = [
-        (LLAMA_31_70B, "bf16", "40 GB", "320 KB/token",
-         "Exact: 327,680 B/token = 320 KiB; 42,949,672,960 B = 40 GiB (article's KB/GB are KiB/GiB)."),
-        (LLAMA_31_70B, "fp8", "20 GB", None,
-         "Exactly half of BF16 = 20 GiB; FP8's static per-head scales are negligible and counted as 0."),
-        (LLAMA_31_70B, "int4-g32-r128", "12.5 GB + 40 MB", None,
-         "102,400 B/token = 81,920 B codes + 20,480 B group metadata (3.2x vs BF16). The article "
-         "quantizes all 131,072 tokens and adds the 128-token BF16 residual on top (article_view = "
-         "12.5 GiB + 40 MiB); total_bytes counts the residual once - the newest 128 tokens are held in "
-         "BF16 instead of quantized - which is 13,107,200 B (12.5 MiB) less."),
-        (LLAMA_31_70B, "int4-g32-r128+keep0.25", "≈3.1 GB", None,
-         "SnapKV 25%: 32,768 of 131,072 tokens kept; the quantized part is one quarter of the "
-         "article's 12.5 GiB = 3.125 GiB, most likely what '≈3.1 GB' rounds (without the 40 MiB "
-         "residual; with it, article_view = 3.16 GiB). Physical total (residual counted once): 3.15 GiB."),
-        (DEEPSEEK_V3_MLA, "bf16", "8.8 GB", "70 KB/token",
-         "61 layers x 576-element latent x 2 B = 70,272 B/token (68.63 KiB, 70.3 decimal kB); exact "
-         "128K total 9,210,691,584 B = 8.58 GiB (9.21 decimal GB). The printed 8.8 GB is a rounding "
-         "discrepancy: the article rounds the per-token figure to '70 KB' and multiplies that as "
-         "70 KiB x 128 Ki tokens = 8.75 GiB, printed 8.8; no unit convention gives 8.8 from the exact bytes."),
-    ]
-    rows = []
-    for geom, scheme_text, printed, printed_per_token, note in specs:
-        scheme = Scheme.parse(scheme_text)
-        total = context_bytes(geom, scheme, t)
-        rows.append({
-            "model": geom.name,
-            "scheme": scheme.name,
-            "bytes_per_token": bytes_per_token(geom, scheme),
-            "context_tokens": t,
-            "total_bytes": total,
-            "article_view": article_view_bytes(geom, scheme, t),
-            "total_human": human_bytes(total),
-            "article_printed": printed,
-            "article_printed_per_token": printed_per_token,
-            "note": note,
-        })
-    return rows

@@ -2,17 +2,16 @@
 
 import pytest
 
+from kvlab.costs import article_cost_table, human_bytes
 from kvlab.kernels.accounting import (
     DEEPSEEK_V3_MLA,
     LLAMA_31_70B,
     KVGeometry,
     Scheme,
-    article_cost_table,
     article_view_bytes,
     bytes_per_token,
     compression_ratio,
     context_bytes,
-    human_bytes,
     kept_tokens,
     residual_bytes,
 )

@@ -92,7 +92,7 @@ def cost_verdict(costs: pd.DataFrame) -> tuple[str, str, str]:
 
 
 def test_cost_verdict_names_the_figures_it_cannot_reproduce():
-    from kvlab.kernels.accounting import article_cost_table
+    from kvlab.costs import article_cost_table
 
     rows = pd.DataFrame(article_cost_table())
     claim, verdict, evidence = cost_verdict(rows)

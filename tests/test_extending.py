@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from kvlab.kernels import accounting, kvcache
+from kvlab.kernels import kvcache, layouts
 from kvlab.methods import KINDS, Variant, kind_of
 from kvlab.methods.schemes import SCHEMES
 from kvlab.tasks import GENERATORS
@@ -71,7 +71,7 @@ def test_lmdeploy_int4_stores_codes_and_one_scale_and_zero_per_token_and_head():
     assert layer.counts() == {"sink_tokens": 0, "quantized_tokens": t, "residual_tokens": 0}
     assert layer.nbytes() == 2 * (160 + 80)
     key, value = kind_of(lmdeploy(4)).layouts(d)
-    assert accounting.stored_layer_bytes(key, value, h, d, t, 0, 2) == 2 * (160 + 80)
+    assert layouts.stored_layer_bytes(key, value, h, d, t, 0, 2) == 2 * (160 + 80)
     # asymmetric min–max per (token, head): every entry within half a step of its input
     k, _ = layer.full()
     step = (keys.amax(-1, keepdim=True) - keys.amin(-1, keepdim=True)) / 15

@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
-from kvlab.kernels import accounting, codecs, kvcache, quant
+from kvlab.kernels import codecs, kvcache, layouts, quant
 from kvlab.methods import Variant, kind_of, variants
 
 H, D = 2, 16
@@ -62,7 +62,7 @@ LAYOUTS = {
     "lmdeploy4": kind_of(qspec("lmdeploy")).layouts(D),
     "fp8_dynamic": kind_of(qspec("fp8")).layouts(D),
     "fp8_static": kind_of(qspec("fp8", scales="calibrated")).layouts(D),
-    "kvquant": (accounting.TensorCodes(4, "static", outliers=1), accounting.TensorCodes(4, "token", 8)),
+    "kvquant": (layouts.TensorCodes(4, "static", outliers=1), layouts.TensorCodes(4, "token", 8)),
 }
 
 
@@ -105,7 +105,7 @@ def test_measured_bytes_equal_the_formula(name, t):
     n = layer.counts()
     key, value = LAYOUTS[name]
     dense = n["sink_tokens"] + n["residual_tokens"]
-    assert layer.nbytes() == accounting.stored_layer_bytes(key, value, H, D, n["quantized_tokens"], dense, 4)
+    assert layer.nbytes() == layouts.stored_layer_bytes(key, value, H, D, n["quantized_tokens"], dense, 4)
     assert sum(n.values()) == t == layer.get_seq_length()
 
 

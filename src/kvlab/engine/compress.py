@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from kvlab.engine.model import attention_layers, is_sliding, language_model
 from kvlab.engine.prefill import Prefilled, shallow_copy
-from kvlab.kernels import accounting, kvcache
+from kvlab.kernels import kvcache, layouts
 from kvlab.methods import Variant, layer_budgets
 
 
@@ -97,8 +97,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             n = layer.counts()
             key, value = variant.impl.layouts(d)
             dense_tokens = n["sink_tokens"] + n["residual_tokens"]
-            formula += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
-            stored_bf16 += accounting.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
+            formula += layouts.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
+            stored_bf16 += layouts.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
             code_bytes += measured - dense * layer.keys.element_size() - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size())
             code_tokens_bf16 += n["quantized_tokens"] * token_bf16
         elif quantized is not None:  # transformers' QuantizedCache layer: measured only

@@ -60,7 +60,7 @@ class MethodKind:
         the layers where `sliding` is True (sliding-window layers) alone."""
 
     def layouts(self, head_dim: int):
-        """(key, value) `kvlab.kernels.accounting.TensorCodes` of a layer of codes, for the byte formula; None
+        """(key, value) `kvlab.kernels.layouts.TensorCodes` of a layer of codes, for the byte formula; None
         for a kind whose layers are dense or not counted by the formula."""
         return None
 

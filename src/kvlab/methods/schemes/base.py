@@ -2,7 +2,7 @@
 
 A scheme turns the entry's parameters into the storage of one full-attention layer (a
 `kvlab.kernels.kvcache.LayerSpec`: a codec per tensor, group, residual window, sinks) and into what the byte
-formula counts (`kvlab.kernels.accounting.TensorCodes` per tensor). Kernels and torch are imported inside the
+formula counts (`kvlab.kernels.layouts.TensorCodes` per tensor). Kernels and torch are imported inside the
 methods: config validation builds schemes without loading them.
 """
 

@@ -3,7 +3,7 @@ per-tensor scale per layer set at prefill (`scales: calibrated | dynamic`)."""
 
 from __future__ import annotations
 
-from kvlab.kernels.accounting import TensorCodes
+from kvlab.kernels.layouts import TensorCodes
 from kvlab.methods.schemes.base import QuantScheme, calibration_table
 
 

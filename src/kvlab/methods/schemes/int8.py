@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlab.kernels.accounting import TensorCodes
+from kvlab.kernels.layouts import TensorCodes
 from kvlab.methods.schemes.base import QuantScheme
 
 

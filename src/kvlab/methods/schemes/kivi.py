@@ -3,7 +3,7 @@ the newest R tokens in full precision; `key_axis` / `value_axis` swap the axes f
 
 from __future__ import annotations
 
-from kvlab.kernels.accounting import TensorCodes
+from kvlab.kernels.layouts import TensorCodes
 from kvlab.methods.schemes.base import QuantScheme
 
 

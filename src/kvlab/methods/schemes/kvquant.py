@@ -3,7 +3,7 @@ outliers of each key vector in fp16, the first `sink_tokens` in full precision; 
 
 from __future__ import annotations
 
-from kvlab.kernels.accounting import TensorCodes
+from kvlab.kernels.layouts import TensorCodes
 from kvlab.methods.schemes.base import QuantScheme, calibration_table
 
 
