@@ -167,3 +167,19 @@ def test_vt_on_a_byte_tokenizer_is_refused(tiny):
     with pytest.raises(ValueError, match=r"RULER's vt cannot be generated for this tokenizer: its worked example, fixed "
                                          r"at 500 tokens, holds no noise \('Num noises: 0'\)"):
         ruler.generate("v", spec, tiny[1], 4096)
+
+
+@pytest.mark.parametrize("task, message", [
+    ({"kind": "ruler", "ruler_task": "niah_single", "context_tokens": [1024]},
+     r"key 'tasks.r.ruler_task': 'niah_single' is not allowed; allowed: niah_single_1, niah_single_2, .*, qa_2$"),
+    ({"kind": "ruler", "context_tokens": [1024]}, r"key 'tasks.r': missing required key 'ruler_task'"),
+    ({"kind": "ruler", "ruler_task": "niah_single_1", "context_tokens": [128]},
+     r"key 'tasks.r.context_tokens': 128 leaves no prompt: RULER's niah_single_1 counts its 128 tokens_to_generate"),
+])
+def test_bad_ruler_tasks_are_refused_before_any_job(task, message):
+    from kvlab.config import ConfigError, resolve
+
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["tasks"]["r"] = task
+    with pytest.raises(ConfigError, match=message):
+        resolve(config, ROOT / "workflow" / "config.schema.yaml")
