@@ -183,3 +183,21 @@ def test_bad_ruler_tasks_are_refused_before_any_job(task, message):
     config["tasks"]["r"] = task
     with pytest.raises(ConfigError, match=message):
         resolve(config, ROOT / "workflow" / "config.schema.yaml")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("task, length", [("niah_single_2", 1024), ("qa_1", 2048)])
+def test_samples_are_rulers_own_on_qwen(task, length, qwen, tmp_path):
+    """On Qwen's tokenizer (chat template with its system prompt): RULER's text and answers, and the prompt within a
+    few tokens of RULER's count plus the template (the three pieces are tokenized apart)."""
+    tokenizer = qwen[1]
+    spec = {"kind": "ruler", "ruler_task": task, "samples": 2, "seed": 42, "context_tokens": [length]}
+    ours = ruler.generate(task, spec, tokenizer, length)
+    theirs = rulers_own(task, tokenizer, tmp_path, length, 2)
+    config = ruler.task_config(task)
+    template = sum(len(tokenizer.encode(p, add_special_tokens=False)) for p in chat_pieces(tokenizer, "", ""))
+    for sample, row in zip(ours, theirs, strict=True):
+        assert "".join(sample.prompt.text) + sample.meta["answer_prefix"] == row["input"]
+        assert sample.gold == row["outputs"]
+        assert abs(sample.prompt.tokens - template - (row["length"] - config["tokens_to_generate"])) <= 4
+        assert row["length"] <= length
