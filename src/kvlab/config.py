@@ -201,6 +201,8 @@ def _check_semantics(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'tasks.{name}.queries': {task['queries']} exceeds keys {task['keys']}; ask at most as many keys as there are")
         if task["kind"] == "common_words" and task["uncommon_freq"] >= task["common_freq"]:
             raise ConfigError(f"{where}: key 'tasks.{name}.uncommon_freq': must be below common_freq {task['common_freq']}")
+        if task["kind"] == "ruler":
+            _check_ruler(name, task, where)
         if task["kind"] == "recency" and max(task["from_end_tokens"]) >= min(task["context_tokens"]):
             raise ConfigError(f"{where}: key 'tasks.{name}.from_end_tokens': each must be below every context length ({min(task['context_tokens'])})")
         for n in task["context_tokens"]:
@@ -224,6 +226,20 @@ def _check_reads(report: dict, where: str) -> None:
             Scheme.parse(text)
         except ValueError as error:
             raise ConfigError(f"{where}: key 'report.crossover.kv_schemes[{i}]': {error}") from None
+
+
+def _check_ruler(name: str, task: dict, where: str) -> None:
+    """RULER's package is there (at its pin), and every length leaves room for RULER's tokens_to_generate."""
+    from kvlab.tasks import ruler
+
+    try:
+        config = ruler.task_config(task["ruler_task"])
+    except (RuntimeError, ValueError) as error:
+        raise ConfigError(f"{where}: key 'tasks.{name}.ruler_task': {error}") from None
+    short = [n for n in task["context_tokens"] if n <= config["tokens_to_generate"]]
+    if short:
+        raise ConfigError(f"{where}: key 'tasks.{name}.context_tokens': {short[0]} leaves no prompt: RULER's {task['ruler_task']} "
+                          f"counts its {config['tokens_to_generate']} tokens_to_generate in the length; use more")
 
 
 CALIBRATION_TABLES = (

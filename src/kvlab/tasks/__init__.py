@@ -1,7 +1,7 @@
 """Task generators by kind: one module per kind, one line here. A generator takes (task name, its config
 entry, the model's tokenizer, a context length) and returns seeded, deterministic Samples."""
 
-from kvlab.tasks import arithmetic, common_words, continuation, frequent_words, multi_turn, needle, recency, variable_tracking
+from kvlab.tasks import arithmetic, common_words, continuation, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
 
 GENERATORS = {
     "niah": needle.generate,
@@ -12,4 +12,5 @@ GENERATORS = {
     "frequent_words": frequent_words.generate,
     "arithmetic": arithmetic.generate,
     "continuation": continuation.generate,
+    "ruler": ruler.generate,
 }

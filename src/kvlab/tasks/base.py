@@ -43,7 +43,7 @@ class Prompt:
 SHAPES = {
     "recency": "recency", "variable_tracking": "multi-hop", "multi_turn": "multi-turn", "common_words": "aggregation",
     "frequent_words": "aggregation", "arithmetic": "reasoning", "continuation": "prose",
-}  # task kind -> shape (niah splits by its parameters, see Sample.shape)
+}  # task kind -> shape (niah splits by its parameters, ruler by its RULER task: see Sample.shape)
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class Sample:
     @property
     def shape(self) -> str:
         """The task's shape, the report's grouping (the article's decision table has one row per shape)."""
+        if self.kind == "ruler":
+            return self.meta["shape"]
         if self.kind != "niah":
             return SHAPES[self.kind]
         if not self.prompt.question:

@@ -1,14 +1,15 @@
-"""RULER-style substring scorers, applied after removing control characters."""
+"""RULER's substring scorers, applied after RULER's own clean-up of a prediction (its eval/evaluate.py)."""
 
 from __future__ import annotations
 
 import re
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f]")
 
 
 def clean(text: str) -> str:
-    return _CONTROL.sub(" ", text).strip()
+    """As RULER's postprocess_pred: strip, each control character becomes a newline, strip again."""
+    return _CONTROL.sub("\n", text.strip()).strip()
 
 
 def string_match_all(prediction: str, gold: list[str]) -> float:
