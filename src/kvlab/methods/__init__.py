@@ -138,9 +138,9 @@ def variants(methods: dict, budgets: list[float], task: str | None = None) -> li
     for name, spec in methods.items():
         if not runs_on(spec, task):
             continue
-        params = {k: v for k, v in spec.items() if k not in ("kind", "tasks")}
-        if evicts(spec):
-            out.extend(Variant(name, spec["kind"], float(b), params) for b in budgets)
+        kind = kind_of(spec)
+        if kind.evicts:
+            out.extend(Variant(name, spec["kind"], float(b), kind.params) for b in budgets)
         else:
-            out.append(Variant(name, spec["kind"], 1.0, params))
+            out.append(Variant(name, spec["kind"], 1.0, kind.params))
     return out
