@@ -7,6 +7,7 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 from kvlab.config import ConfigError, check_config_files
+from kvlab.runstate import clear_stale_lock, record_owner, say
 
 try:  # strict YAML (duplicate keys, syntax errors with file:line:column), before Snakemake merges the files
     check_config_files("config.yaml", workflow.config_settings.configfiles)
@@ -25,6 +26,16 @@ include: "rules/speed.smk"
 include: "rules/accounting.smk"
 include: "rules/collect.smk"
 include: "rules/report.smk"
+
+
+# A lock left by a run that kill -9 stopped is removed when that run is gone (src/kvlab/runstate.py); the run
+# records itself while it holds the lock (onstart). Files made from a missing one: rules/report.smk.
+if workflow.exec_mode.name == "DEFAULT":
+    say(clear_stale_lock())
+
+
+onstart:
+    record_owner()
 
 
 rule all:

@@ -6,6 +6,7 @@ from snakemake.exceptions import WorkflowError
 
 from kvlab.config import CALIBRATION_TABLES, ConfigError, resolve
 from kvlab.methods import runs_on, uses_calibration
+from kvlab.runstate import drop_orphans, say
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -72,3 +73,13 @@ def run_params(task=None):
 def model_dirs():
     """Acquired model folders (each holds card.json)."""
     return [f"resources/models/{model}" for model in MODELS]
+
+
+def report_db(wildcards):
+    """The report's database. A run that executes (not a dry run or --summary) first removes the files made
+    from a missing one, stage by stage: Snakemake rebuilds no missing file whose products exist, so after an
+    interrupted collect it would keep the old report and no database (kvlab.runstate.drop_orphans)."""
+    db = "results/kvlab.duckdb"
+    if workflow.exec_mode.name == "DEFAULT" and workflow.execution_settings is not None and not workflow.dryrun:
+        say(*drop_orphans([(list(map(str, rules.collect.input)), [db]), ([db], list(map(str, rules.report.output)))]))
+    return db

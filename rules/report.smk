@@ -1,6 +1,6 @@
 rule report:
     input:
-        db="results/kvlab.duckdb",
+        db=report_db,
     output:
         html=report("results/report.html", caption="../workflow/report.rst", category="Report"),
         accuracy_vs_kv_bytes=report("results/figures/accuracy_vs_kv_bytes.svg", caption="../workflow/report_accuracy.rst", category="Figures"),

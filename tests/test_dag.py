@@ -1,9 +1,13 @@
 """The whole workflow on the tiny model in a temp directory: every rule runs, rows land in DuckDB,
 the report is written, and a second run has nothing to do."""
 
+import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -11,6 +15,7 @@ import pytest
 import yaml
 
 from conftest import job_counts, snakemake
+from kvlab.compare_runs import compare
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.methods import evicts
 
@@ -144,3 +149,65 @@ def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     counts = job_counts(proc.stdout + proc.stderr)
     assert counts.get("evaluate") == 1 and "calibrate" not in counts, proc.stdout[-2000:]
+
+
+def _interrupted(work: Path, sig: int, when: str, *args: str, until=lambda: True) -> str:
+    """Run the README's command in `work` and send `sig` to its process group (as a terminal's Ctrl-C, or a kill
+    of the job's processes) once its log shows `when` and `until()` holds; return what it printed."""
+    cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "results/report.html", "--config", "preset=smoke", *args]
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if when in line:
+            deadline = time.monotonic() + 60
+            while not until() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os.killpg(proc.pid, sig)
+            break
+    out += proc.stdout.read()
+    proc.wait(timeout=120)
+    assert when in "".join(out), "".join(out)[-3000:]
+    return "".join(out)
+
+
+@pytest.fixture
+def finished_copy(smoke_run, tmp_path):
+    """A copy of the finished smoke run (mtimes and Snakemake's records kept), to interrupt."""
+    work = tmp_path / "run"
+    shutil.copytree(smoke_run, work, symlinks=True)
+    return work
+
+
+def test_kill_9_during_evaluate_then_the_command_finishes_the_run(smoke_run, finished_copy):
+    """kill -9 of the run's processes while an evaluate job runs leaves Snakemake's lock behind; the README's
+    command removes it (its run is gone), reruns the half-done job and gives the same rows, nothing half-written."""
+    target = "results/eval/tiny-qwen2/niah_single/512.parquet"
+    _interrupted(finished_copy, signal.SIGKILL, "rule evaluate:", "--forcerun", target)
+    assert any((finished_copy / ".snakemake" / "locks").glob("*.lock"))  # the interrupted run's lock stayed
+    proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "removed the lock of an interrupted run" in proc.stderr
+    assert all(": same (" in line for line in compare(smoke_run, finished_copy)), compare(smoke_run, finished_copy)
+    assert not list((finished_copy / "results").rglob("*.partial*"))
+    assert not (finished_copy / ".snakemake" / "locks").exists()
+
+
+def test_ctrl_c_during_collect_then_the_command_rebuilds_the_database(smoke_run, finished_copy):
+    """Ctrl-C while collect runs deletes kvlab.duckdb (Snakemake removes an interrupted job's outputs); the
+    README's command rebuilds it and the report from it, instead of 'Nothing to be done'."""
+    db = finished_copy / "results" / "kvlab.duckdb"
+    # the signal once the job has started (Snakemake removes a job's old outputs as it starts it)
+    _interrupted(finished_copy, signal.SIGINT, "rule collect:", "--forcerun", "collect", until=lambda: not db.exists())
+    assert not db.exists() and (finished_copy / "results" / "report.html").exists()  # the state the fix is for
+    proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "kvlab.duckdb is missing" in proc.stderr and "Nothing to be done" not in proc.stderr
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert counts == {"collect": 1, "report": 1}, counts
+    with duckdb.connect(str(db), read_only=True) as new, \
+            duckdb.connect(str(smoke_run / "results" / "kvlab.duckdb"), read_only=True) as old:
+        tables = [t for (t,) in old.execute("SELECT table_name FROM information_schema.tables").fetchall()]
+        assert tables and all(new.execute(f"SELECT count(*) FROM {t}").fetchone() == old.execute(
+            f"SELECT count(*) FROM {t}").fetchone() for t in tables)

@@ -10,12 +10,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def _remove_stale_partials(path: Path) -> None:
+    """Remove what a killed writer of `path` left (`.NAME.PID.*.partial`, with DuckDB's `.wal`), if PID is gone."""
+    for stale in path.parent.glob(f".{path.name}.*.partial*"):
+        pid = stale.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            stale.unlink(missing_ok=True)
+        except PermissionError:
+            pass  # another user's live process
+
+
 @contextmanager
 def atomic_path(path: str | Path):
     """Yield a temporary path beside `path`; move it into place only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    _remove_stale_partials(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".partial", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
