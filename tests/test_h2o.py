@@ -96,3 +96,16 @@ def test_h2o_in_the_engine_keeps_its_budget(tiny, sample):
     assert by["h2o", 0.25]["kv_tokens_mean"] == int(len(sample.prompt.context) * 0.25)
     assert by["h2o", 0.25]["kv_bytes"] < by["h2o", 0.5]["kv_bytes"] < by["full", 1.0]["kv_bytes"]
     assert all(r["kl_vs_full"] >= 0 for r in rows)
+
+
+def test_prefill_scores_computed_once_are_every_budgets(tiny, sample):
+    """The prefill's scores are computed once per prefill and shared by every budget: each budget's layers equal
+    those compressed from a prefill of its own."""
+    model, _ = tiny
+    shared = prefill(model, sample.prompt.context)
+    for h2o in variants({"h": H2O}, [0.5, 0.25, 0.1]):
+        one = compress(model, shared, h2o)
+        alone = compress(model, prefill(model, sample.prompt.context), h2o)
+        for a, b in zip(one.layers, alone.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.scores, b.scores)
+    assert sum(key[0] == "h2o_scores" for key in shared.shared) == len(shared.cache.layers)

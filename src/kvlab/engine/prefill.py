@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -52,11 +52,14 @@ def capture(model, store: list):
 
 @dataclass
 class Prefilled:
-    """A prefilled prompt prefix: its cache, per-layer captures and length."""
+    """A prefilled prompt prefix: its cache, per-layer captures and length, and `shared`: what methods derive
+    from the prefill alone, computed once for every variant compressed from it (e.g. H2O's received attention,
+    the same at every budget)."""
 
     cache: DynamicCache
     captures: list[LayerCapture]
     length: int
+    shared: dict = field(default_factory=dict)
 
 
 @torch.no_grad()

@@ -37,6 +37,8 @@ class H2O(MethodKind):
                 module, cap = modules[idx], base.captures[idx]
                 t = layer.keys.shape[-2]
                 capacity = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
-                q = queries(module, cap.hidden_states, cap.cos, cap.sin)
-                scores = received_attention(q, layer.keys, module.scaling)
+                scores = base.shared.get(("h2o_scores", idx))  # the prefill's scores: the same at every budget
+                if scores is None:
+                    q = queries(module, cap.hidden_states, cap.cos, cap.sin)
+                    scores = base.shared[("h2o_scores", idx)] = received_attention(q, layer.keys, module.scaling)
                 cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)
