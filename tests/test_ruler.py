@@ -202,3 +202,15 @@ def test_samples_are_rulers_own_on_qwen(task, length, qwen, tmp_path):
         assert sample.gold == row["outputs"]
         assert abs(sample.prompt.tokens - template - (row["length"] - config["tokens_to_generate"])) <= 4
         assert row["length"] <= length
+
+
+def test_decoding_cap_is_rulers_tokens_to_generate_unless_set():
+    """A ruler task decodes as many tokens as RULER lets a model write (the run's cap of 16 would cut cwe's ten
+    words and multivalue's four numbers); a task's own max_new_tokens wins; other kinds keep the run's cap."""
+    from kvlab.tasks import max_new_tokens
+
+    caps = {t: max_new_tokens({"kind": "ruler", "ruler_task": t}, 16) for t in ("niah_multivalue", "vt", "cwe", "fwe", "qa_2")}
+    assert caps == {t: ruler.task_config(t)["tokens_to_generate"] for t in caps}
+    assert caps["cwe"] > 16 and caps["niah_multivalue"] > 16
+    assert max_new_tokens({"kind": "ruler", "ruler_task": "cwe", "max_new_tokens": 8}, 16) == 8
+    assert max_new_tokens({"kind": "niah"}, 16) == 16 and max_new_tokens({"kind": "niah", "max_new_tokens": 24}, 16) == 24

@@ -24,7 +24,7 @@ from kvlab.hardware import device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import GENERATORS, max_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
         raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
     grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress") and "wrapper" not in v.params]  # plain presses: what the pipeline runs as is
     modes = [m for m in run["question_modes"] if m in ("agnostic", "aware")]  # the niah task has no later turns
-    max_new = task_spec.get("max_new_tokens", run["max_new_tokens"])
+    max_new = max_new_tokens(task_spec, run["max_new_tokens"])
 
     def engine(modes: list[str]) -> tuple[float, dict]:
         t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import GENERATORS, max_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -71,21 +71,23 @@ def run_job(
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     samples = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)
     grid = variants(run["methods"], run["budgets"], task)
-    max_new_tokens = task_spec.get("max_new_tokens", run["max_new_tokens"])
-    log.info("%s: %d samples × %d variants × %d modes", task, len(samples), len(grid), len(run["question_modes"]))
+    cap = max_new_tokens(task_spec, run["max_new_tokens"])
+    log.info("%s: %d samples × %d variants × %d modes, answers capped at %d tokens", task, len(samples), len(grid),
+             len(run["question_modes"]), cap)
     rows = []
     t0 = time.perf_counter()
     at_once = samples_at_once(context_tokens)
     with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
         for done in range(0, len(samples), at_once):
             chunk = samples[done : done + at_once]
-            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], max_new_tokens))
+            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap))
             bar.update(len(chunk))
             bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
             log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
     frame = pd.DataFrame(rows)
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]
+    frame["max_new_tokens"] = cap  # the decoding cap the answers ran under
     frame["diverged_at"] = frame["diverged_at"].astype("Int64")  # null where a row never left the full answer
     # The byte-accounting formula beside the measured bytes: for dense caches, the kept fraction of the
     # context at the run's dtype (what the budget asks for: presses that free nothing show up here); for

@@ -35,7 +35,7 @@ from kvlab.evaluate import load_model
 from kvlab.hardware import compute_dtype
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import GENERATORS, max_new_tokens
 
 PHASES = ["prefill", "compress", "cache_stats", "decode_reference", "decode_diverged", "teacher_forced",
           "divergence", "forward", "masks", "attention", "rows_update"]
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     model, tokenizer = load_model(args.model_dir, dtype, run["device"])
     samples = GENERATORS[spec["kind"]](args.task, spec, tokenizer, args.ctx)[: args.samples]
     grid = variants(run["methods"], run["budgets"], args.task)
-    max_new = spec.get("max_new_tokens", run["max_new_tokens"])
+    max_new = max_new_tokens(spec, run["max_new_tokens"])
 
     def job():
         return [r for s in samples for r in evaluate_sample(model, tokenizer, s, grid, run["question_modes"], max_new)]
