@@ -270,9 +270,9 @@ def test_snakemake_report_bundles_the_page_and_key_figures(smoke_run, tmp_path):
     proc = snakemake(smoke_run, "--report", str(tmp_path / "report.zip"), "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = zipfile.ZipFile(tmp_path / "report.zip").namelist()
-    for wanted in ("report.html", "accuracy_vs_kv_bytes.svg", "kl_vs_bits.svg"):
+    for wanted in ("report.html", "decision_grid.svg", "accuracy_vs_kv_bytes.svg", "kl_vs_bits.svg"):
         assert any(n.endswith(wanted) for n in names), (wanted, names[:20])
-    for name in ("accuracy_vs_kv_bytes", "kl_vs_bits"):
+    for name in ("decision_grid", "accuracy_vs_kv_bytes", "kl_vs_bits"):
         assert (smoke_run / "results" / "figures" / f"{name}.svg").read_text().startswith("<svg")
 
 

@@ -12,11 +12,12 @@ from importlib.resources import files
 from pathlib import Path
 
 import duckdb
+import pandas as pd
 
 from kvlab.io import atomic_path
 from kvlab.report.decision import Rule
 from kvlab.report.html import esc, section
-from kvlab.report.sections import SECTIONS, accuracy, quant
+from kvlab.report.sections import SECTIONS, accuracy, quant, verdict_grid
 
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222}
@@ -26,7 +27,7 @@ details{margin:.3em 0 1em}td.long{text-align:left;min-width:28em;font-size:12px}
 """
 
 # the key figures also written as files (for snakemake --report): name → its section's figure(q, rule)
-FIGURES = {"accuracy_vs_kv_bytes": accuracy.figure, "kl_vs_bits": quant.figure}
+FIGURES = {"decision_grid": verdict_grid.figure, "accuracy_vs_kv_bytes": accuracy.figure, "kl_vs_bits": quant.figure}
 
 
 def load_queries() -> dict[str, str]:
@@ -35,13 +36,23 @@ def load_queries() -> dict[str, str]:
     return {name: sql.strip() for name, sql in zip(blocks[::2], blocks[1::2])}
 
 
+def run(con: duckdb.DuckDBPyConnection, name: str, sql: str, db_path) -> pd.DataFrame:
+    """One named query's rows; a query the database cannot answer (e.g. one collected before a column existed)
+    fails with one line naming the query."""
+    try:
+        return con.execute(sql).df()
+    except duckdb.Error as error:
+        raise RuntimeError(f"{db_path}: query '{name}' of queries.sql failed: {str(error).splitlines()[0]} (a "
+                           f"database from an older kvlab? rerun the jobs that make it, e.g. --forcerun evaluate)") from None
+
+
 def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[str, str | Path] | None = None,
           rule: Rule = Rule()) -> None:
     """Write the report page; with `figures` (name in FIGURES → path), also each key figure as an SVG file."""
     queries = load_queries()
     con = duckdb.connect(str(db_path), read_only=True)
     try:
-        q = {name: con.execute(sql).df() for name, sql in queries.items()}
+        q = {name: run(con, name, sql, db_path) for name, sql in queries.items()}
     finally:
         con.close()
     prov = dict(zip(q["provenance"]["key"], q["provenance"]["value"]))

@@ -34,7 +34,7 @@ DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "va
 def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     """One cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
     cache with its paired bootstrap bounds over samples, or on prose the mean per-sample KL with its bounds;
-    `n_to_decide` for an inconclusive cell (normal approximation, kvlab.report.stats)."""
+    `sample_sd`, the per-sample spread behind the bounds; `n_to_decide` for an inconclusive cell (normal approximation, kvlab.report.stats)."""
     out = {c: rows[c].iloc[0] for c in DESCRIBE if c in rows}
     if "kv_fraction_bf16" in rows:
         out["kv_fraction_bf16"] = rows["kv_fraction_bf16"].mean()
@@ -51,6 +51,7 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
         out.update(accuracy=rows["score"].mean(), accuracy_low=acc_low, accuracy_high=acc_high, full_accuracy=full,
                    full_low=full_low, full_high=full_high, drop_points=b.mean, drop_low=b.low, drop_high=b.high,
                    decision=b.decide(threshold) if full > 0 else NO_REFERENCE)
+    out["sample_sd"] = b.sd  # the per-sample spread the bounds come from (points of drop, or nats of KL)
     out["n_to_decide"] = b.n_to_decide(threshold) if out["decision"] == "inconclusive" else math.nan
     return out
 
@@ -119,6 +120,32 @@ def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
             ", ".join(unsafe),
         ])
     return pd.DataFrame(out, columns=columns)
+
+
+OUTCOMES = ("safe", "unsafe", "inconclusive", "not judged")  # a method's outcome on one row of the decision table
+
+
+def outcomes(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
+    """One row per (model, shape, question mode, method), with the decision table's verdict on the method:
+    'safe' at its most compressed safe budget, 'unsafe' at every budget (shown at its least compressed one),
+    'inconclusive' otherwise (at its most compressed undecided budget), 'not judged' where the full cache scores
+    0% (at its least compressed budget); with that budget, the compression it reached (bf16 bytes of the full cache over the method's) and n."""
+    out = []
+    c = cells(rows, rule, by=["model", "shape", "question_mode"])
+    for key, g in c.groupby(["model", "shape", "question_mode", "method"], sort=True):
+        safe, open_ = g[g["decision"] == "safe"], g[g["decision"] == "inconclusive"]
+        if len(safe):
+            outcome, pick = "safe", safe.loc[safe["kv_fraction_bf16"].idxmin()]
+        elif (g["decision"] == "unsafe").all():
+            outcome, pick = "unsafe", g.loc[g["kv_fraction_bf16"].idxmax()]
+        elif len(open_):
+            outcome, pick = "inconclusive", open_.loc[open_["kv_fraction_bf16"].idxmin()]
+        else:
+            outcome, pick = "not judged", g.loc[g["kv_fraction_bf16"].idxmax()]
+        out.append({**dict(zip(["model", "shape", "question_mode", "method"], key)), "outcome": outcome,
+                    "budget": pick["budget"], "compression": 1 / pick["kv_fraction_bf16"], "samples": pick["samples"]})
+    return pd.DataFrame(out, columns=["model", "shape", "question_mode", "method", "outcome", "budget", "compression",
+                                      "samples"])
 
 
 # The article's §7.2 recommendations that this run can test, as (workload in the article, our shape and

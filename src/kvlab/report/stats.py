@@ -9,6 +9,8 @@
 - decide: 'safe' when the one-sided 95% upper bound of the drop (or KL) is at most the threshold, 'unsafe' when
   the lower bound exceeds it, else 'inconclusive'. The one-sided 95% bounds are the ends of the two-sided 90%
   bootstrap interval.
+- power: the smallest mean n samples tell from 0 (z·sd/√n) and the samples a margin needs (⌈(z·sd/margin)²⌉),
+  normal approximations from the per-sample spread.
 """
 
 from __future__ import annotations
@@ -62,7 +64,20 @@ class Bounds:
         gap = abs(self.mean - threshold)
         if not np.isfinite(self.sd):
             return float("nan")
-        return max(float(np.ceil((Z * self.sd / gap) ** 2)), self.min_n) if gap > 0 else float("inf")
+        return max(samples_for(self.sd, gap), self.min_n) if gap > 0 else float("inf")
+
+
+def detectable(sd: float, n: int) -> float:
+    """The smallest mean (e.g. an accuracy drop in points) that n samples of per-sample spread sd tell from 0 at
+    one-sided 95%: z·sd/√n, the normal approximation for a paired mean difference — the observed mean at which
+    the lower bound reaches 0 (a true effect of that size is detected half the time)."""
+    return float(Z * sd / np.sqrt(n))
+
+
+def samples_for(sd: float, margin: float) -> float:
+    """Samples whose one-sided 95% bound lies within `margin` of their mean at per-sample spread sd:
+    ⌈(z·sd/margin)²⌉ (normal approximation)."""
+    return float(np.ceil((Z * sd / margin) ** 2))
 
 
 def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> tuple[float, float]:

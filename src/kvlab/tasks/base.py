@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,6 +40,13 @@ class Prompt:
     @property
     def tokens(self) -> int:
         return len(self.context) + len(self.question) + len(self.suffix)
+
+    @property
+    def sha1(self) -> str:
+        """SHA-1 of every token id the prompt feeds (context, question, suffix, later turns, reference): two
+        samples with the same hash ask the same question of the same document, so they are one prompt, not two."""
+        pieces = [self.context, self.question, self.suffix, [t.ids for t in self.followups], self.reference]
+        return hashlib.sha1(json.dumps(pieces, default=int).encode()).hexdigest()
 
 
 SHAPES = {
@@ -79,6 +88,7 @@ class Sample:
             "sample_id": self.sample_id,
             "context_tokens": self.context_tokens,
             "prompt_tokens": self.prompt.tokens,
+            "prompt_sha1": self.prompt.sha1,
             "depth": self.depth,
             "seed": self.seed,
             "metric": self.metric,

@@ -6,13 +6,15 @@ Adding a section: a module here and one line in SECTIONS.
 
 from kvlab.report.sections import (
     accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
-    eval_cost, eviction, kernels, models, provenance, quant, summary, tasks, throughput,
+    eval_cost, eviction, kernels, models, power, provenance, quant, summary, tasks, throughput, verdict_grid,
 )
 
 SECTIONS = [
+    verdict_grid,
     summary,
     claims,
     decision,
+    power,
     accuracy,
     eviction,
     calibration,
