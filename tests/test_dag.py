@@ -151,25 +151,22 @@ def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path)
     assert counts.get("evaluate") == 1 and "calibrate" not in counts, proc.stdout[-2000:]
 
 
-def _interrupted(work: Path, sig: int, when: str, *args: str, until=lambda: True) -> str:
+def _interrupted(work: Path, sig: int, started: Path, *args: str) -> str:
     """Run the README's command in `work` and send `sig` to its process group (as a terminal's Ctrl-C, or a kill
-    of the job's processes) once its log shows `when` and `until()` holds; return what it printed."""
+    of the job's processes) once the job writing `started` runs: Snakemake removes a job's old outputs as it starts
+    it, and the file reappears only when the job has finished. Watching the file, not the log, keeps this exact
+    however the log is buffered. Returns what the run printed."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "results/report.html", "--config", "preset=smoke", *args]
-    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out = []
-    for line in proc.stdout:
-        out.append(line)
-        if when in line:
-            deadline = time.monotonic() + 60
-            while not until() and time.monotonic() < deadline:
-                time.sleep(0.02)
-            os.killpg(proc.pid, sig)
-            break
-    out += proc.stdout.read()
-    proc.wait(timeout=120)
-    assert when in "".join(out), "".join(out)[-3000:]
-    return "".join(out)
+    log = work / "interrupted.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        while proc.poll() is None and started.exists():
+            time.sleep(0.005)
+        assert proc.poll() is None, f"the run ended before its job started: {log.read_text()[-3000:]}"
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=120)
+    assert not started.exists(), log.read_text()[-3000:]  # interrupted while the job ran
+    return log.read_text()
 
 
 @pytest.fixture
@@ -184,7 +181,7 @@ def test_kill_9_during_evaluate_then_the_command_finishes_the_run(smoke_run, fin
     """kill -9 of the run's processes while an evaluate job runs leaves Snakemake's lock behind; the README's
     command removes it (its run is gone), reruns the half-done job and gives the same rows, nothing half-written."""
     target = "results/eval/tiny-qwen2/niah_single/512.parquet"
-    _interrupted(finished_copy, signal.SIGKILL, "rule evaluate:", "--forcerun", target)
+    _interrupted(finished_copy, signal.SIGKILL, finished_copy / target, "--forcerun", target)
     assert any((finished_copy / ".snakemake" / "locks").glob("*.lock"))  # the interrupted run's lock stayed
     proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -198,8 +195,7 @@ def test_ctrl_c_during_collect_then_the_command_rebuilds_the_database(smoke_run,
     """Ctrl-C while collect runs deletes kvlab.duckdb (Snakemake removes an interrupted job's outputs); the
     README's command rebuilds it and the report from it, instead of 'Nothing to be done'."""
     db = finished_copy / "results" / "kvlab.duckdb"
-    # the signal once the job has started (Snakemake removes a job's old outputs as it starts it)
-    _interrupted(finished_copy, signal.SIGINT, "rule collect:", "--forcerun", "collect", until=lambda: not db.exists())
+    _interrupted(finished_copy, signal.SIGINT, db, "--forcerun", "collect")
     assert not db.exists() and (finished_copy / "results" / "report.html").exists()  # the state the fix is for
     proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
