@@ -29,7 +29,7 @@ include: "rules/report.smk"
 
 
 # A lock left by a run that kill -9 stopped is removed when that run is gone (src/kvlab/runstate.py); the run
-# records itself while it holds the lock (onstart). Files made from a missing one: rules/report.smk.
+# records itself while it holds the lock (onstart). Files made from a missing one: report_db in rules/common.smk.
 if workflow.exec_mode.name == "DEFAULT":
     say(clear_stale_lock())
 

@@ -10,18 +10,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _remove_stale_partials(path: Path) -> None:
     """Remove what a killed writer of `path` left (`.NAME.PID.*.partial`, with DuckDB's `.wal`), if PID is gone."""
     for stale in path.parent.glob(f".{path.name}.*.partial*"):
         pid = stale.name[len(path.name) + 2:].split(".", 1)[0]
-        if not pid.isdigit():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and not pid_alive(int(pid)):
             stale.unlink(missing_ok=True)
-        except PermissionError:
-            pass  # another user's live process
 
 
 @contextmanager

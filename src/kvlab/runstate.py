@@ -23,6 +23,8 @@ import socket
 import sys
 from pathlib import Path
 
+from kvlab.io import pid_alive
+
 LOCKS = Path(".snakemake/locks")
 
 
@@ -37,13 +39,7 @@ def _start_time(pid: int) -> str | None:
 
 def _alive(owner: dict) -> bool:
     if not Path("/proc/self/stat").exists():  # no /proc: the pid alone
-        try:
-            os.kill(owner["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(owner["pid"])
     return _start_time(owner["pid"]) == owner.get("started")  # a reused pid has another start time
 
 
@@ -93,7 +89,6 @@ def drop_orphans(stages: list[tuple[list[str], list[str]]]) -> list[str]:
             lines.append(f"kvlab: {gone} is missing (an interrupted run?), so {', '.join(present)}, made from it, "
                          "were removed and are rebuilt with it")
     return lines
-
 
 
 def say(*lines: str | None) -> None:

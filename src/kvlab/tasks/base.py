@@ -7,6 +7,7 @@ import json
 import random
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class Prompt:
     def tokens(self) -> int:
         return len(self.context) + len(self.question) + len(self.suffix)
 
-    @property
+    @cached_property  # every row of the sample carries it
     def sha1(self) -> str:
         """SHA-1 of every token id the prompt feeds (context, question, suffix, later turns, reference): two
         samples with the same hash ask the same question of the same document, so they are one prompt, not two."""
