@@ -46,6 +46,27 @@ def acquired(tmp_path_factory, name: str, spec: dict) -> Path:
     return out
 
 
+def hub_cache(hf_home: Path, repo_id: str, model_dir: Path) -> str:
+    """Put a model folder's files (not its card) into a Hugging Face cache as the hub client lays one out:
+    content-named blobs, a snapshot folder of relative symlinks named by commit, `refs/main` naming that commit.
+    Returns the commit (here the sha1 of the files' digests: any 40-hex name is one to the client)."""
+    import hashlib
+
+    repo = hf_home / "hub" / f"models--{repo_id.replace('/', '--')}"
+    files = sorted(f for f in model_dir.iterdir() if f.is_file() and f.name != "card.json")
+    digests = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    commit = hashlib.sha1("".join(digests[f.name] for f in files).encode()).hexdigest()
+    snapshot = repo / "snapshots" / commit
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in files:
+        shutil.copy(f, repo / "blobs" / digests[f.name])
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", digests[f.name]))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return commit
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return acquired(tmp_path_factory, "tiny", TINY_SPEC)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_SPEC, acquired
+from conftest import TINY_SPEC, acquired, hub_cache
 from transformers import AutoTokenizer, GenerationConfig
 
 from kvlab.models import acquire as acquire_mod
@@ -182,6 +182,30 @@ def test_hub_offline_with_empty_cache_fails_with_a_fix(tmp_path):
     assert f"not in the Hugging Face cache ({hf_home / 'hub'})" in msg
     assert "hf download meta-llama/Llama-3.1-8B-Instruct --revision main" in msg
     assert_nothing_written(models)
+
+
+def test_hub_offline_from_a_filled_cache_gives_the_cached_model(tmp_path, tiny_dir):
+    """The path a user with a prefilled Hugging Face cache takes: HF_HUB_OFFLINE=1, the model found in the cache
+    (as the hub client lays it out), saved as ours with the snapshot's commit on its card; same tensors and
+    tokenizer as the folder cached."""
+    from safetensors.torch import load_file
+
+    hf_home, models = tmp_path / "hf", tmp_path / "models"
+    commit = hub_cache(hf_home, "kvlab-tests/tiny-qwen2", tiny_dir)
+    models.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    env.update(HF_HUB_OFFLINE="1", HF_HOME=str(hf_home))
+    spec = {"source": "hub", "repo_id": "kvlab-tests/tiny-qwen2", "revision": "main", "dtype": "float32"}
+    proc = subprocess.run([sys.executable, "-c", OFFLINE_SCRIPT.format(spec=spec), str(models / "x")],
+                          env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    card = read_card(models / "x")
+    assert card["source"] == {"kind": "hub", "repo_id": "kvlab-tests/tiny-qwen2", "revision": "main", "commit": commit}
+    assert card["sha256"] == commit and set(card["weights"]) == {"model.safetensors"}
+    got, want = load_file(models / "x" / "model.safetensors"), load_file(tiny_dir / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    text = "The key is 4711."
+    assert AutoTokenizer.from_pretrained(models / "x")(text).input_ids == AutoTokenizer.from_pretrained(tiny_dir)(text).input_ids
 
 
 # --- Qwen 2.5 Coder 0.5B (the default model) -----------------------------------------------------

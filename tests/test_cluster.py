@@ -1,8 +1,10 @@
 """The SLURM profile: it plans the whole default DAG, asks the scheduler for GPUs only on `device: cuda`, and runs
-the smoke preset on a real single-node SLURM (tests/slurm_local.py) with the same results as a local run."""
+the smoke preset on a real single-node SLURM (tests/slurm_local.py) with the same results as a local run, its model
+taken from an offline Hugging Face cache (`source: hub`, the path users with their own models take)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from pathlib import Path
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import job_counts, snakemake, workflow_copy
+from conftest import hub_cache, job_counts, snakemake, workflow_copy
 from kvlab.compare_runs import compare
 from kvlab.config import resolve
 from slurm_local import PARTITION, Unavailable, jobs, local_slurm
@@ -88,9 +90,22 @@ def slurm(tmp_path):
         pytest.skip(f"no SLURM test cluster on this machine: {why}")
 
 
+SMOKE_MODEL = "      tiny-qwen2: {source: tiny, architecture: qwen2, layers: 2, hidden_size: 64, heads: 4, kv_heads: 2, head_dim: 16}\n"
+HUB_MODEL = "      tiny-qwen2: {source: hub, repo_id: kvlab-tests/tiny-qwen2, dtype: float32}\n"
+
+
 def test_smoke_preset_runs_through_slurm_as_it_runs_locally(smoke_run, slurm, tmp_path):
-    """Every non-local job goes through sbatch on a real SLURM controller and node; the rows equal the local run's."""
+    """Every non-local job goes through sbatch on a real SLURM controller and node; the rows equal the local run's.
+    The model is the local run's tiny one, put in a Hugging Face cache and acquired with `source: hub` and
+    HF_HUB_OFFLINE=1 (one run for both paths: the whole smoke DAG takes minutes on 2 cores)."""
     work = workflow_copy(tmp_path / "work")
+    config = (work / "config.yaml").read_text()
+    assert config.count(SMOKE_MODEL) == 1, "the smoke preset's model line changed; update SMOKE_MODEL"
+    (work / "config.yaml").write_text(config.replace(SMOKE_MODEL, HUB_MODEL))
+    hf_home = tmp_path / "hf"
+    commit = hub_cache(hf_home, "kvlab-tests/tiny-qwen2", smoke_run / "resources" / "models" / "tiny-qwen2")
+    slurm = {k: v for k, v in slurm.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")}
+    slurm.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
     # The test cluster has no accounting daemon (slurmdbd), hence squeue for status and no account to guess.
     proc = snakemake(work, "--profile", "profiles/slurm", "results/report.html", "--config", "preset=smoke",
                      "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2",
@@ -109,6 +124,8 @@ def test_smoke_preset_runs_through_slurm_as_it_runs_locally(smoke_run, slurm, tm
         found = list((logs / f"rule_{rule}").rglob("*.log")) if (logs / f"rule_{rule}").is_dir() else []
         assert len(found) == (0 if rule in LOCAL_RULES else n), (rule, found)
 
+    card = json.loads((work / "resources" / "models" / "tiny-qwen2" / "card.json").read_text())
+    assert card["source"]["kind"] == "hub" and card["source"]["commit"] == commit
     lines = compare(smoke_run, work)
     assert lines and all(": same (" in line for line in lines), lines
     assert (work / "results" / "report.html").stat().st_size > 0
