@@ -589,8 +589,33 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
     tokenizer = tiny[1]
     grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
     samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
-    timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
+    timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s", "noise_s"]
     together = evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8)
     alone = [r for s in samples for r in evaluate_sample(sharp, tokenizer, s, grid, ["agnostic", "aware", "multi_turn"], 8)]
     assert len(samples) == 2 and {r["turn"] for r in together} == {1, 2}
     pd.testing.assert_frame_equal(pd.DataFrame(together).drop(columns=timing), pd.DataFrame(alone).drop(columns=timing))
+
+
+def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
+    """The full row's noise columns: the full cache teacher-forced alone against its pass in the batch of every
+    row, as computed by hand from the engine's parts; empty on every other row. Rounding only: small in fp32,
+    the same answer, and exactly nothing when the alone pass is compared with itself."""
+    from kvlab.engine import noise_floor, teacher_forced, verified_decode
+
+    tokenizer = tiny[1]
+    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
+    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tokenizer, 600)
+    rows = evaluate_sample(sharp, tokenizer, sample, grid, ["agnostic"], 8)
+    full = next(r for r in rows if r["method"] == "full")
+    assert all(r["noise_kl"] is None and r["noise_diverged_at"] is None for r in rows if r["method"] != "full")
+    base = prefill(sharp, sample.prompt.context)
+    caches = [compress(sharp, base, v) for v in grid]
+    tail = sample.prompt.question + sample.prompt.suffix
+    run = verified_decode(sharp, caches, 0, tail, base.length, 8)
+    alone, _ = teacher_forced(sharp, [caches[0]], tail, run.answers[0], base.length)
+    kl = (run.logp[0].exp() * (run.logp[0] - alone[0])).sum(-1).clamp_min(0)
+    assert full["noise_kl"] == pytest.approx(float(kl.mean()), abs=1e-12)
+    assert full["noise_kl_max"] == pytest.approx(float(kl.max()), abs=1e-12)
+    assert 0 <= full["noise_kl"] <= full["noise_kl_max"] < 1e-6 and full["noise_diverged_at"] is None
+    itself = noise_floor(sharp, caches[0], tail, run.answers[0], base.length, alone[0])
+    assert itself["noise_kl"] == 0 and itself["noise_kl_max"] == 0 and itself["noise_diverged_at"] is None

@@ -12,6 +12,8 @@ import pytest
 
 from kvlab.report.build import build, load_queries
 from kvlab.report.claims import verdicts as claim_verdicts
+from kvlab.report.decision import Rule
+from kvlab.report.stats import wilson
 from kvlab.report.tables import pooled
 
 CHROMIUM = shutil.which("chromium")
@@ -164,9 +166,40 @@ def test_pooled_accuracy_compares_methods_on_common_tasks():
     assert common.loc["x", "accuracy"] == 1.0 and common.loc["y", "delta_points"] == -50
 
 
+NOISE_COLUMNS = ["model", "dtype", "task", "sample_id", "turn", "scored", "noise_kl", "noise_kl_max", "changed"]
+
+
+def noise(n: int = 12, changed: int = 1) -> pd.DataFrame:
+    """The noise_floor query's rows: n full rows (prose and scored alternate), `changed` scored answers changed."""
+    return pd.DataFrame([("m", "float32", "t", f"s{i}", 1, i % 2 == 1, 1e-9 * (1 + i), 3e-9 * (1 + i),
+                          i % 2 == 1 and i // 2 < changed) for i in range(n)], columns=NOISE_COLUMNS)
+
+
 def verdicts(kl, delta) -> dict:
-    q = {"quant_kl": kl, "answers": answers(kl, delta)}
+    q = {"quant_kl": kl, "answers": answers(kl, delta), "noise_floor": noise()}
     return {claim.split()[0]: verdict for claim, verdict, _ in claim_verdicts([3, 4, 5, 10], q)}
+
+
+def test_kl_claims_give_the_noise_floor_beside_their_evidence():
+    """C3 and C4 state the measured floor: its mean KL with bounds over samples, its largest KL and the answers
+    it changes with a Wilson interval; the divergence section tabulates the same numbers."""
+    from kvlab.report.noise import floor
+    from kvlab.report.sections import divergence
+
+    kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
+    q = {"quant_kl": kl, "answers": answers(kl, None), "noise_floor": noise(12, 1)}
+    f = floor(q["noise_floor"], Rule()).iloc[0]
+    assert (f.samples, f.answers, f.answers_changed) == (12, 6, 1)
+    assert f.kl_mean_nats == pytest.approx(6.5e-9) and f.kl_max_nats == pytest.approx(3.6e-8)
+    assert f.kl_low < f.kl_mean_nats < f.kl_high
+    low, high = wilson(1, 6)
+    assert (f.changed_low, f.changed_high) == (low, high)
+    for claim, _, evidence in claim_verdicts([3, 4], q):
+        assert "Noise floor" in evidence and "m (float32): KL 6.5e-09 nat [" in evidence, (claim, evidence)
+        assert f"1/6 answers changed [{low:.0%}, {high:.0%}]" in evidence
+    page = divergence.body({"divergence": pd.DataFrame(columns=["kl_each", "sample_each"]), **q}, Rule())
+    assert "<h3>Noise floor</h3>" in page and "float32" in page
+    assert "Noise floor" not in claim_verdicts([3], {**q, "noise_floor": noise(0)})[0][2]
 
 
 def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
@@ -209,7 +242,7 @@ def prose(method, n_sink, kl, n=20):
 
 def eviction_verdicts(*cells) -> list[tuple[str, str, str]]:
     rows = pd.DataFrame([r for cell in cells for r in cell], columns=ANSWER_COLUMNS)
-    return claim_verdicts([6, 7, 8, 11], {"answers": rows})
+    return claim_verdicts([6, 7, 8, 11], {"answers": rows, "noise_floor": noise(0)})
 
 
 def eviction_tables(snap_aware=1.0, snap_agnostic=0.0, second=0.0, h2o=0.0, outside=0.0, kl0=2.0, pyramid=0.5):

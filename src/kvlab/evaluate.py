@@ -89,6 +89,8 @@ def run_job(
     frame["dtype"] = run["dtype"]
     frame["max_new_tokens"] = cap  # the decoding cap the answers ran under
     frame["diverged_at"] = frame["diverged_at"].astype("Int64")  # null where a row never left the full answer
+    frame = frame.astype({"noise_kl": "float64", "noise_kl_max": "float64", "noise_s": "float64",
+                          "noise_diverged_at": "Int64"})  # set on full rows only (typed where all are empty)
     # The byte-accounting formula beside the measured bytes: for dense caches, the kept fraction of the
     # context at the run's dtype (what the budget asks for: presses that free nothing show up here); for
     # quantized caches the engine already wrote codes + metadata + residual for the tokens held.

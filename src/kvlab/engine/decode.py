@@ -198,6 +198,19 @@ def verified_decode(
     return Verified(out, logp, first, t1 - t0 + time.perf_counter() - t2, t2 - t1)
 
 
+@torch.no_grad()
+@record_function("kvlab.noise_floor")
+def noise_floor(model, cache: DynamicCache, tail: list[int], path: list[int], start: int, logp_ref: torch.Tensor) -> dict:
+    """The reference against itself under a change that should not matter: `cache` teacher-forced alone (one
+    row, no padding, other matrix shapes) along `path`, against `logp_ref` (len(path), V), its log-probabilities
+    in the batch it shared with every other row. Mean and max per-token KL(batched ‖ alone) in nats, and where
+    the alone pass's greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an
+    answer change of a method no larger than this is no evidence of anything."""
+    logp, choice = teacher_forced(model, [cache], tail, path, start)
+    kl = (logp_ref.exp() * (logp_ref - logp[0])).sum(-1).clamp_min(0)
+    return {"noise_kl": float(kl.mean()), "noise_kl_max": float(kl.max()), "noise_diverged_at": first_divergence(choice, path)[0]}
+
+
 @record_function("kvlab.divergence")
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""

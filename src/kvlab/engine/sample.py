@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import decode_references, divergence, greedy_decode, teacher_forced, verified_decode
+from kvlab.engine.decode import decode_references, divergence, greedy_decode, noise_floor, teacher_forced, verified_decode
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -125,20 +125,26 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
         for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
             if number not in labelled:
                 continue
-            div, first = [{} for _ in variants], [None] * len(variants)
+            div, first, logp, path = [{} for _ in variants], [None] * len(variants), None, None
             if pl.verified(number):  # KL along the full cache's answer
                 run = verified_decode(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
                 decoded, decode_s, tf_s, first = run.answers, reference_s + run.decode_s, run.teacher_forced_s, run.first
                 if kl and decoded[ref]:
-                    div = divergence(run.logp, decoded[ref], ref)
+                    logp, path = run.logp, decoded[ref]
             else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
                 t0 = time.perf_counter()
                 decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
                 decode_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if kl and p.reference:
-                    div = divergence(teacher_forced(model, caches, turn_tail, p.reference, base.length)[0], p.reference, ref)
+                    logp, path = teacher_forced(model, caches, turn_tail, p.reference, base.length)[0], p.reference
                 tf_s = time.perf_counter() - t0
+            noise = dict.fromkeys(("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"))
+            if logp is not None:
+                div = divergence(logp, path, ref)
+                t0 = time.perf_counter()
+                noise = {**noise_floor(model, caches[ref], turn_tail, path, base.length, logp[ref]),
+                         "noise_s": time.perf_counter() - t0}
             for i, variant in enumerate(variants):
                 prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
                 row = {
@@ -168,6 +174,9 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     # answer is the full cache's; on the full row itself, a near-tie between its parallel and
                     # its step-by-step pass: the numerical noise floor)
                     "diverged_at": first[i],
+                    # on the full row: the same cache teacher-forced alone (`noise_floor`), the floor of KL and
+                    # of answer changes that rounding alone produces; empty on every other row
+                    **(noise if i == ref else dict.fromkeys(noise)),
                 }
                 rows += [{**row, "question_mode": mode} for mode in labelled[number]]
     return rows

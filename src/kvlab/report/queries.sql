@@ -317,3 +317,14 @@ SELECT model, dtype, method_kind = 'full' AS full_row, count(*) AS rows,
        count(*) FILTER (WHERE diverged_at IS NULL) AS follow_full,
        count(*) FILTER (WHERE diverged_at IS NULL) / count(*) AS share_following
 FROM eval WHERE metric <> 'none' GROUP BY ALL ORDER BY model, full_row DESC;
+
+-- name: noise_floor
+-- The full cache against itself: every full row teacher-forced a second time alone (one row, no padding, other
+-- matrix shapes) along the same path, against its pass in the batch of every row. Per-token KL between the two
+-- (nats, mean over the path) and, on scored tasks, whether the alone pass's greedy choice leaves the answer
+-- somewhere: what rounding alone does to a KL and to an answer. (Full rows that several question modes share
+-- are counted once.)
+SELECT DISTINCT model, dtype, task, sample_id, turn, metric <> 'none' AS scored, noise_kl, noise_kl_max,
+       noise_diverged_at IS NOT NULL AS changed
+FROM eval WHERE method_kind = 'full' AND noise_kl IS NOT NULL
+ORDER BY model, dtype, task, sample_id, turn;

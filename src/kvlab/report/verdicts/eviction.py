@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 
+from kvlab.report.noise import floor_text
 from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample
 
 NO_REFERENCE = "not measured (the full cache scores 0% on these samples)"
@@ -115,7 +116,8 @@ def c8(q: dict, t) -> list[tuple[str, str, str]]:
     inside_text = "; " + _says("inside", inside, _fails(inside, t)) if not inside.empty else ""
     return [("", _verdict(parts, [outside]),
              _says("needle outside the kept window", outside, fails) + inside_text
-             + f". Prose KL without sinks vs with {int(pairs['n_sink_sinks'].iloc[0])}: {'; '.join(each)}.")]
+             + f". Prose KL without sinks vs with {int(pairs['n_sink_sinks'].iloc[0])}: {'; '.join(each)}."
+             + floor_text(q, t.rule))]
 
 
 def c11(q: dict, t) -> list[tuple[str, str, str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from kvlab.report.noise import floor_text
 from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample, shown, wilson
 from kvlab.report.tables import where
 
@@ -29,7 +30,7 @@ def c3(q: dict, t) -> list[tuple[str, str, str]]:
     fp8 = _kl_cells(where(_prose(q), scheme="fp8"), t)
     if not fp8:
         return [("", "not measured", "no fp8 method in this run")]
-    return [("", all_of([at_most(b, t.kl) for _, _, b in fp8]), f"{_each(fp8)}.")]
+    return [("", all_of([at_most(b, t.kl) for _, _, b in fp8]), f"{_each(fp8)}.{floor_text(q, t.rule)}")]
 
 
 def c4(q: dict, t) -> list[tuple[str, str, str]]:
@@ -40,7 +41,7 @@ def c4(q: dict, t) -> list[tuple[str, str, str]]:
     if not chan or not tok:
         return [("", "not measured", "needs 2-bit kivi with key_axis channel and token")]
     verdict = all_of([at_most(b, t.holds_kl) for *_, b in chan] + [at_least(b, t.collapse_kl) for *_, b in tok])
-    return [("", verdict, f"keys per channel: {_each(chan)}; keys per token: {_each(tok)}.")]
+    return [("", verdict, f"keys per channel: {_each(chan)}; keys per token: {_each(tok)}.{floor_text(q, t.rule)}")]
 
 
 def c5(q: dict, t) -> list[tuple[str, str, str]]:
