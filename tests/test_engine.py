@@ -597,9 +597,10 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
 
 
 def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
-    """The full row's noise columns: the full cache teacher-forced alone against its pass in the batch of every
-    row, as computed by hand from the engine's parts; empty on every other row. Rounding only: small in fp32,
-    the same answer, and exactly nothing when the alone pass is compared with itself."""
+    """The full row's noise columns: the full cache teacher-forced alone one token at a time against its one
+    pass in the batch of every row, as computed by hand from the engine's parts; empty on every other row.
+    Rounding only: small in fp32, the same answer, and exactly nothing when the steps are compared with
+    themselves."""
     from kvlab.engine import noise_floor, teacher_forced, verified_decode
 
     tokenizer = tiny[1]
@@ -612,7 +613,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     caches = [compress(sharp, base, v) for v in grid]
     tail = sample.prompt.question + sample.prompt.suffix
     run = verified_decode(sharp, caches, 0, tail, base.length, 8)
-    alone, _ = teacher_forced(sharp, [caches[0]], tail, run.answers[0], base.length)
+    alone, _ = teacher_forced(sharp, [caches[0]], tail, run.answers[0], base.length, steps=True)
     kl = (run.logp[0].exp() * (run.logp[0] - alone[0])).sum(-1).clamp_min(0)
     assert full["noise_kl"] == pytest.approx(float(kl.mean()), abs=1e-12)
     assert full["noise_kl_max"] == pytest.approx(float(kl.max()), abs=1e-12)

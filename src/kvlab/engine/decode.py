@@ -98,7 +98,8 @@ def streams(cache: DynamicCache) -> bool:
 @torch.no_grad()
 @record_function("kvlab.teacher_forced")
 def teacher_forced(
-    model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool = True
+    model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool = True,
+    steps: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
     `path` are fed after its cache, and each row's greedy choice (B, len(path)) at every position (the argmax of
@@ -106,10 +107,11 @@ def teacher_forced(
     must see each token as decoding would (earlier tokens quantized once they leave the residual window): they
     take the tail, then the path in one pass that reads it as if fed one token at a time (`stream`; tested equal
     to feeding it so). Caches that evict while decoding (H2O, see `own_layout`) and transformers' quantized
-    caches, or every stepwise cache with `stream` false, are fed the path one token at a time."""
+    caches, or every stepwise cache with `stream` false, are fed the path one token at a time; with `steps`, every
+    cache is (the noise floor's pass)."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
-    how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
+    how = ["steps" if steps else "dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
     out = choice = None
     for kind in ("dense", "stream", "steps"):
         group = [i for i, h in enumerate(how) if h == kind]
@@ -201,12 +203,14 @@ def verified_decode(
 @torch.no_grad()
 @record_function("kvlab.noise_floor")
 def noise_floor(model, cache: DynamicCache, tail: list[int], path: list[int], start: int, logp_ref: torch.Tensor) -> dict:
-    """The reference against itself under a change that should not matter: `cache` teacher-forced alone (one
-    row, no padding, other matrix shapes) along `path`, against `logp_ref` (len(path), V), its log-probabilities
-    in the batch it shared with every other row. Mean and max per-token KL(batched ‖ alone) in nats, and where
-    the alone pass's greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an
-    answer change of a method no larger than this is no evidence of anything."""
-    logp, choice = teacher_forced(model, [cache], tail, path, start)
+    """The reference against itself under a change that should not matter: `cache` teacher-forced alone and one
+    token at a time along `path` (as decoding feeds it), against `logp_ref` (len(path), V), its log-probabilities
+    from the one pass it shared with every other row. Mean and max per-token KL(one pass ‖ steps) in nats, and
+    where the steps' greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an
+    answer change of a method no larger than this is no evidence of anything. (On a CPU in fp32, the same pass
+    alone or in a batch, padded or not, gave bitwise equal logits on the tiny model; one-token steps take other
+    kernels, so they are the change measured.)"""
+    logp, choice = teacher_forced(model, [cache], tail, path, start, steps=True)
     kl = (logp_ref.exp() * (logp_ref - logp[0])).sum(-1).clamp_min(0)
     return {"noise_kl": float(kl.mean()), "noise_kl_max": float(kl.max()), "noise_diverged_at": first_divergence(choice, path)[0]}
 

@@ -174,7 +174,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     # answer is the full cache's; on the full row itself, a near-tie between its parallel and
                     # its step-by-step pass: the numerical noise floor)
                     "diverged_at": first[i],
-                    # on the full row: the same cache teacher-forced alone (`noise_floor`), the floor of KL and
+                    # on the full row: the same cache teacher-forced alone, token by token (`noise_floor`), the floor of KL and
                     # of answer changes that rounding alone produces; empty on every other row
                     **(noise if i == ref else dict.fromkeys(noise)),
                 }

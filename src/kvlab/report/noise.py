@@ -1,5 +1,5 @@
-"""The measured noise floor (the `noise_floor` query): the full cache teacher-forced alone against its pass in the
-batch of every row, per model and compute dtype, with the same intervals as any other KL and answer share
+"""The measured noise floor (the `noise_floor` query): the full cache teacher-forced alone, one token at a time,
+against its one pass in the batch of every row, per model and compute dtype, with the same intervals as any other KL and answer share
 (kvlab.report.stats). Shown beside every KL claim and in the divergence section."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _groups(noise: pd.DataFrame, rule: Rule):
 
 
 def _changed(g: pd.DataFrame) -> tuple[int, int, float, float]:
-    """Scored answers, how many the alone pass changes, and the 95% Wilson interval of that share."""
+    """Scored answers, how many the steps change, and the 95% Wilson interval of that share."""
     scored = g[g["scored"]]
     k = int(scored["changed"].sum())
     return len(scored), k, *wilson(k, len(scored))
@@ -25,7 +25,7 @@ def _changed(g: pd.DataFrame) -> tuple[int, int, float, float]:
 
 def floor(noise: pd.DataFrame, rule: Rule) -> pd.DataFrame:
     """Per (model, dtype): samples, the mean per-token KL with its bounds (bootstrap over samples, a sample's
-    turns averaged first), the largest per-token KL, and how many scored answers the alone pass changes, with a
+    turns averaged first), the largest per-token KL, and how many scored answers the steps change, with a
     95% Wilson interval."""
     columns = ["model", "dtype", "samples", "kl_mean_nats", "kl_low", "kl_high", "kl_max_nats", "answers",
                "answers_changed", "changed_low", "changed_high"]
@@ -42,4 +42,4 @@ def floor_text(q: dict, rule: Rule) -> str:
         each.append(f"{model} ({dtype}): KL {shown(b, ' nat')}, max {g['noise_kl_max'].max():.3g}; {changed}")
     if not each:
         return ""
-    return " Noise floor (the full cache teacher-forced alone vs in its batch): " + "; ".join(each) + "."
+    return " Noise floor (the full cache teacher-forced one token at a time vs in one pass): " + "; ".join(each) + "."

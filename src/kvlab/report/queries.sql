@@ -319,9 +319,9 @@ SELECT model, dtype, method_kind = 'full' AS full_row, count(*) AS rows,
 FROM eval WHERE metric <> 'none' GROUP BY ALL ORDER BY model, full_row DESC;
 
 -- name: noise_floor
--- The full cache against itself: every full row teacher-forced a second time alone (one row, no padding, other
--- matrix shapes) along the same path, against its pass in the batch of every row. Per-token KL between the two
--- (nats, mean over the path) and, on scored tasks, whether the alone pass's greedy choice leaves the answer
+-- The full cache against itself: every full row teacher-forced a second time, alone and one token at a time,
+-- along the same path, against its one pass in the batch of every row. Per-token KL between the two (nats,
+-- mean over the path) and, on scored tasks, whether the steps' greedy choice leaves the answer
 -- somewhere: what rounding alone does to a KL and to an answer. (Full rows that several question modes share
 -- are counted once.)
 SELECT DISTINCT model, dtype, task, sample_id, turn, metric <> 'none' AS scored, noise_kl, noise_kl_max,
