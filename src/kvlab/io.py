@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import resource
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -88,6 +90,19 @@ def log_to(path: str | Path | None) -> None:
         logging.getLogger("kvlab").error("failed", exc_info=(kind, value, tb))
 
     sys.excepthook = excepthook
+    atexit.unregister(log_peak_rss)  # once per process, however often a script sets up logging
+    atexit.register(log_peak_rss)
+
+
+PEAK_RSS = "peak RSS"
+
+
+def log_peak_rss() -> None:
+    """Log the script's peak resident memory, the kernel's high-water mark, at exit (after a failure too).
+    Snakemake's benchmark samples RSS every 0.5 s for ~15 s and then every 30 s, so it misses shorter peaks
+    later in a job. A child process (RULER's generator) has its own mark, logged beside it."""
+    own, child = (resource.getrusage(who).ru_maxrss / 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    logging.getLogger("kvlab").info("%s %.1f MB (largest child process %.1f MB)", PEAK_RSS, own, child)  # KiB on Linux
 
 
 def run_settings(smk) -> dict:
