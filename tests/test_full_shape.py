@@ -86,7 +86,7 @@ def test_job_peaks_joins_the_sampled_rss_and_the_peak_each_job_logged(tmp_path):
         path.write_text(header + f"{s}\t0:00:40\t{rss}\t0\t0\t0\t0\t0\t0\t0\n")
     first, second = job_peaks(tmp_path).to_dict("records")
     assert (first["rule"], first["job"], first["wall_s"], first["max_rss_mb"]) == ("evaluate", "evaluate/m/niah/32000", 40.0, 120.5)
-    assert first["peak_rss_mb"] > 300 and first["child_peak_rss_mb"] >= 0
+    assert first["peak_rss_mb"] > 300
     assert (second["job"], second["max_rss_mb"]) == ("calibrate/m", 400.0) and second["peak_rss_mb"] != second["peak_rss_mb"]  # NaN: no log
     with pytest.raises(ValueError, match="no job has finished"):
         job_peaks(tmp_path / "empty")

@@ -68,14 +68,14 @@ def write_config(run_dir: Path, source: Path) -> Path:
     return out
 
 
-PEAK_LINE = re.compile(rf"{PEAK_RSS} ([\d.]+) MB \(largest child process ([\d.]+) MB\)")
+PEAK_LINE = re.compile(rf"{PEAK_RSS} ([\d.]+) MB")
 
 
 def job_peaks(run_dir: Path) -> pd.DataFrame:
     """Per finished job (`job`: the path below results/benchmarks/ and logs/, e.g. evaluate/{model}/{task}/{ctx}):
     wall seconds and RSS sampled by Snakemake's benchmark (`max_rss_mb`), and the kernel's high-water mark the job
-    logged at exit (`peak_rss_mb`, its largest child's `child_peak_rss_mb`; empty for a job killed before it
-    could log), the largest peak first."""
+    logged at exit (`peak_rss_mb`; empty for a job killed before it could log, or run before jobs logged it),
+    the largest peak first."""
     files = sorted((run_dir / "results" / "benchmarks").rglob("*.tsv"))
     if not files:
         raise ValueError(f"{run_dir}: no results/benchmarks/**/*.tsv yet (no job has finished)")
@@ -84,8 +84,8 @@ def job_peaks(run_dir: Path) -> pd.DataFrame:
     for log in sorted((run_dir / "logs").rglob("*.log")):
         if found := PEAK_LINE.findall(log.read_text(errors="replace")):
             job = log.relative_to(run_dir / "logs").with_suffix("").as_posix()
-            logged.append({"job": job, "peak_rss_mb": float(found[-1][0]), "child_peak_rss_mb": float(found[-1][1])})
-    peaks = pd.DataFrame(logged, columns=["job", "peak_rss_mb", "child_peak_rss_mb"])
+            logged.append({"job": job, "peak_rss_mb": float(found[-1])})
+    peaks = pd.DataFrame(logged, columns=["job", "peak_rss_mb"])
     frame = bench.merge(peaks, on="job", how="left")
     frame.insert(0, "rule", frame["job"].str.split("/").str[0])
     return frame.sort_values(["peak_rss_mb", "max_rss_mb"], ascending=False, ignore_index=True)

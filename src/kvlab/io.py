@@ -100,9 +100,10 @@ PEAK_RSS = "peak RSS"
 def log_peak_rss() -> None:
     """Log the script's peak resident memory, the kernel's high-water mark, at exit (after a failure too).
     Snakemake's benchmark samples RSS every 0.5 s for ~15 s and then every 30 s, so it misses shorter peaks
-    later in a job. A child process (RULER's generator) has its own mark, logged beside it."""
-    own, child = (resource.getrusage(who).ru_maxrss / 1024 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    logging.getLogger("kvlab").info("%s %.1f MB (largest child process %.1f MB)", PEAK_RSS, own, child)  # KiB on Linux
+    later in a job. Child processes are not counted: a forked child's mark starts at its parent's RSS, so the
+    kernel's figure for children says nothing of their own use."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    logging.getLogger("kvlab").info("%s %.1f MB", PEAK_RSS, peak)
 
 
 def run_settings(smk) -> dict:
