@@ -29,9 +29,10 @@ def received_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float
     for lo in range(0, n, chunk):
         q = queries[:, :, lo : lo + chunk].float()
         pos = offset + lo + torch.arange(q.shape[2], device=keys.device)
-        logits = (q @ k.transpose(-1, -2)) * scaling
-        logits = logits.masked_fill(j[None, :] > pos[:, None], float("-inf"))
-        total += torch.softmax(logits, dim=-1).sum(2)
+        seen = offset + lo + q.shape[2]  # keys after the chunk's last query get no attention: skip them (causal)
+        logits = (q @ k[:, :, :seen].transpose(-1, -2)) * scaling
+        logits = logits.masked_fill(j[None, :seen] > pos[:, None], float("-inf"))
+        total[..., :seen] += torch.softmax(logits, dim=-1).sum(2)
     return total.view(b, hkv, hq // hkv, t).sum(2)
 
 

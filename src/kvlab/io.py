@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import resource
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -88,6 +90,20 @@ def log_to(path: str | Path | None) -> None:
         logging.getLogger("kvlab").error("failed", exc_info=(kind, value, tb))
 
     sys.excepthook = excepthook
+    atexit.unregister(log_peak_rss)  # once per process, however often a script sets up logging
+    atexit.register(log_peak_rss)
+
+
+PEAK_RSS = "peak RSS"
+
+
+def log_peak_rss() -> None:
+    """Log the script's peak resident memory, the kernel's high-water mark, at exit (after a failure too).
+    Snakemake's benchmark samples RSS every 0.5 s for ~15 s and then every 30 s, so it misses shorter peaks
+    later in a job. Child processes are not counted: a forked child's mark starts at its parent's RSS, so the
+    kernel's figure for children says nothing of their own use."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    logging.getLogger("kvlab").info("%s %.1f MB", PEAK_RSS, peak)
 
 
 def run_settings(smk) -> dict:
