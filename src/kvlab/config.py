@@ -65,6 +65,15 @@ def check_yaml(path: str | Path, overlay: bool = False) -> None:
             stack.append(((*keys, key), value_node))
 
 
+def with_preset(config: dict, name: str) -> dict:
+    """A copy of `config` without its presets, preset `name`'s keys replacing the top-level ones (whole values,
+    not merged; `default` changes nothing), and `preset` set to `name`. Not validated: see `resolve`."""
+    out = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
+    out.update(copy.deepcopy((config.get("presets") or {}).get(name, {})))
+    out["preset"] = name
+    return out
+
+
 def resolve(config: dict, schema_path: str | Path) -> dict:
     """Return the validated config with the selected preset applied and defaults filled.
 
@@ -79,10 +88,8 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
         allowed = ", ".join(dict.fromkeys(["default", *presets]))
         raise ConfigError(f"config: key 'preset': unknown preset '{name}'; allowed: {allowed}")
     resolved = None
-    for pname, overrides in {"default": {}, **presets}.items():
-        candidate = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
-        candidate.update(copy.deepcopy(overrides))
-        candidate["preset"] = pname
+    for pname in ["default", *presets]:
+        candidate = with_preset(config, pname)
         _validate(candidate, schema, schema_path, where=f"preset '{pname}'")
         _check_semantics(candidate, where=f"preset '{pname}'")
         if pname == name:

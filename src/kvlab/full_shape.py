@@ -13,7 +13,6 @@ The config is derived, not written out, so it follows the preset when the preset
 from __future__ import annotations
 
 import argparse
-import copy
 import re
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pandas as pd
 import yaml
 
 from kvlab.collect import read_benchmarks
+from kvlab.config import with_preset
 from kvlab.io import PEAK_RSS, write_parquet
 from kvlab.tasks import max_new_tokens
 
@@ -37,8 +37,7 @@ def derive(config: dict, preset: str = PRESET) -> dict:
     presets = config.get("presets") or {}
     if preset not in presets:
         raise ValueError(f"no preset {preset!r} in the config; presets: {', '.join(presets) or 'none'}")
-    derived = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
-    derived.update(copy.deepcopy(presets[preset]))
+    derived = with_preset(config, preset)
     derived["preset"] = "default"  # the derived config is the whole run: no preset left to pick
     derived["device"], derived["dtype"] = "cpu", "float32"
     for task in derived["tasks"].values():
