@@ -76,6 +76,10 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     assert con.execute("SELECT min(compression_vs_bf16) > 1 FROM eval WHERE scheme IS NOT NULL").fetchone() == (True,)
     assert con.execute("SELECT max(abs(kl_vs_full)) FROM eval WHERE method_kind = 'full'").fetchone()[0] < 1e-6
     assert con.execute("SELECT min(kl_vs_full) FROM eval WHERE method_kind <> 'full'").fetchone()[0] > 0
+    # the noise floor: measured on every full row with a KL path and on no other row; rounding only, in fp32
+    assert con.execute("SELECT count(*) FROM eval WHERE kl_vs_full IS NOT NULL "
+                       "AND (method_kind = 'full') <> (noise_kl IS NOT NULL)").fetchone() == (0,)
+    assert con.execute("SELECT min(noise_kl) >= 0 AND max(noise_kl) < 1e-6 AND min(noise_s) > 0 FROM eval").fetchone() == (True,)
     speed = con.execute("SELECT count(*), min(tokens_per_s), list(DISTINCT batch ORDER BY batch), count(graph_tokens_per_s) "
                         "FROM throughput").fetchone()
     assert speed == (n_variants * 2, speed[1], [1, 2], 0) and speed[1] > 0  # batches of 1 and 2; no CUDA graph on a CPU
@@ -102,6 +106,7 @@ def test_report_written_from_the_run(smoke_run):
     page = (smoke_run / "results" / "report.html").read_text()
     assert "tiny-qwen2" in page and "<svg" in page
     assert "327,680" in page and "42,949,672,960" in page  # the article's cost table, recomputed
+    assert "<h3>Noise floor</h3>" in page and "<th>noise_s</th>" in page  # the floor and what it cost
 
 
 def test_evaluate_logs_show_progress_per_sample(smoke_run):
