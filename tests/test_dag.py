@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import psutil
 import pytest
 import yaml
 
@@ -156,17 +157,35 @@ def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path)
     assert counts.get("evaluate") == 1 and "calibrate" not in counts, proc.stdout[-2000:]
 
 
-def _interrupted(work: Path, sig: int, started: Path, *args: str) -> str:
+def _job_runs(proc: subprocess.Popen, script: str) -> bool:
+    """Whether a process below Snakemake's `proc` runs the rule script `script` (Snakemake runs a copy of it,
+    .snakemake/scripts/tmp<id>.<script>)."""
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return False
+    for child in children:
+        try:
+            if any(part.endswith("." + script) for part in child.cmdline()):
+                return True
+        except psutil.Error:  # a child that ended while we looked
+            continue
+    return False
+
+
+def _interrupted(work: Path, sig: int, started: Path, script: str, *args: str) -> str:
     """Run the README's command in `work` and send `sig` to its process group (as a terminal's Ctrl-C, or a kill
     of the job's processes) once the job writing `started` runs: Snakemake removes a job's old outputs as it starts
-    it, and the file reappears only when the job has finished. Watching the file, not the log, keeps this exact
-    however the log is buffered. Returns what the run printed."""
+    it, and the file reappears only when the job has finished; the signal goes once that file is gone and the job's
+    own process (rule script `script`) is up, since a signal in between reaches no job and the job then finishes
+    (a collect of under a second did, in CI). Watching files and processes, not the log, keeps this exact however
+    the log is buffered. Returns what the run printed."""
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "results/report.html", "--config", "preset=smoke", *args]
     log = work / "interrupted.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        while proc.poll() is None and started.exists():
-            time.sleep(0.005)
+        while proc.poll() is None and (started.exists() or not _job_runs(proc, script)):
+            time.sleep(0.002)
         assert proc.poll() is None, f"the run ended before its job started: {log.read_text()[-3000:]}"
         os.killpg(proc.pid, sig)
         proc.wait(timeout=120)
@@ -186,7 +205,7 @@ def test_kill_9_during_evaluate_then_the_command_finishes_the_run(smoke_run, fin
     """kill -9 of the run's processes while an evaluate job runs leaves Snakemake's lock behind; the README's
     command removes it (its run is gone), reruns the half-done job and gives the same rows, nothing half-written."""
     target = "results/eval/tiny-qwen2/niah_single/512.parquet"
-    _interrupted(finished_copy, signal.SIGKILL, finished_copy / target, "--forcerun", target)
+    _interrupted(finished_copy, signal.SIGKILL, finished_copy / target, "evaluate.py", "--forcerun", target)
     assert any((finished_copy / ".snakemake" / "locks").glob("*.lock"))  # the interrupted run's lock stayed
     proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -200,7 +219,7 @@ def test_ctrl_c_during_collect_then_the_command_rebuilds_the_database(smoke_run,
     """Ctrl-C while collect runs deletes kvlab.duckdb (Snakemake removes an interrupted job's outputs); the
     README's command rebuilds it and the report from it, instead of 'Nothing to be done'."""
     db = finished_copy / "results" / "kvlab.duckdb"
-    _interrupted(finished_copy, signal.SIGINT, db, "--forcerun", "collect")
+    _interrupted(finished_copy, signal.SIGINT, db, "collect.py", "--forcerun", "collect")
     assert not db.exists() and (finished_copy / "results" / "report.html").exists()  # the state the fix is for
     proc = snakemake(finished_copy, "results/report.html", "--config", "preset=smoke")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,8 +39,10 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path):
     phases = out[out["kind"] == "phase"].set_index("name")
     # one prefill per question mode's compression (context, then the question after it), every variant compressed
     assert phases.loc["prefill", "calls"] == 2 and phases.loc["compress", "calls"] == 2 * out["variants"].iloc[0]
-    # the full answers of both compressions decoded together (one batch of references), each then verified
-    assert phases.loc["decode_reference", "calls"] == 1 and phases.loc["teacher_forced", "calls"] == 2
+    # the full answers of both compressions decoded together (one batch of references), each then verified, and
+    # each full row teacher-forced once more alone for the noise floor (a teacher_forced call inside noise_floor)
+    assert phases.loc["decode_reference", "calls"] == 1 and phases.loc["noise_floor", "calls"] == 2
+    assert phases.loc["teacher_forced", "calls"] == 2 + 2
     assert phases.loc["forward", "seconds"] > 0 and phases.loc["rows_update", "calls"] > 0  # quantized rows
     wall = out.set_index("name").loc["profiled_wall_s", "seconds"]
     assert (phases["seconds"] <= wall).all()
