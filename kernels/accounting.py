@@ -11,10 +11,13 @@ Storage model (the "physical" view used by :func:`context_bytes`):
 * Of a context of ``tokens`` tokens, ``kept_tokens`` survive eviction
   (``keep_fraction``); a sliding-attention layer holds at most ``sliding_window``
   of them.
-* Of the tokens a layer holds, the most recent ``residual`` ones sit in a BF16
-  residual window *instead of* being quantized (KIVI keeps them full precision
-  until a group is complete); the rest are quantized.  Residual tokens are
-  therefore counted once.
+* Of the tokens a layer holds, the most recent ones sit in BF16 *instead of*
+  being quantized, as many of the keys and of the values as the scheme's
+  ``policy`` leaves (``kvlab.kernels.layouts.coded_tokens``, the rule the real
+  cache layer follows): under ``kivi`` (KIVI's own cache) ``held mod residual``
+  keys and ``min(held, residual)`` values, under ``together`` the same
+  ``residual`` to ``residual + group - 1`` of both; the rest are quantized.
+  Residual tokens are therefore counted once.
 * The article's simpler view (every kept token quantized, the residual window
   added on top) is available as :func:`article_view_bytes`.
 
@@ -35,7 +38,7 @@ import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from kvlab.kernels.layouts import TensorCodes, ceil_div, stored_layer_bytes, tensor_code_bytes
+from kvlab.kernels.layouts import POLICIES, TensorCodes, ceil_div, coded_tokens, stored_layer_bytes
 
 BF16_BYTES = 2
 """Bytes per element of a BF16 (full-precision) cache entry."""
@@ -158,12 +161,12 @@ per layer per token.  ``kv_heads``/``head_dim`` (128/128) are nominal."""
 
 _ACCEPTED_FORMS = (
     "accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>' "
-    "(e.g. 'int4-g32-r128'), each optionally followed by '+keep<fraction>' "
-    "with 0 < fraction <= 1 (e.g. 'int4-g32-r128+keep0.25')"
+    "(e.g. 'int4-g32-r128'; KIVI's streaming policy, or '-together' after it for kvlab's earlier one), each "
+    "optionally followed by '+keep<fraction>' with 0 < fraction <= 1 (e.g. 'int4-g32-r128+keep0.25')"
 )
 
 _SCHEME_RE = re.compile(
-    r"^(?:(?P<bf16>bf16)|(?P<fp8>fp8)|int(?P<bits>\d+)-g(?P<group>\d+)-r(?P<residual>\d+))"
+    r"^(?:(?P<bf16>bf16)|(?P<fp8>fp8)|int(?P<bits>\d+)-g(?P<group>\d+)-r(?P<residual>\d+)(?:-(?P<policy>together))?)"
     r"(?:\+keep(?P<keep>\d*\.?\d+))?$"
 )
 
@@ -174,7 +177,8 @@ class Scheme:
 
     ``bits`` per element; if ``group`` is set, each quantization group also
     stores ``scale_bytes + zero_bytes`` of metadata; the newest ``residual``
-    tokens are kept in BF16; ``keep_fraction`` of the context survives
+    tokens are kept in BF16 (which of the keys and values exactly: ``policy``,
+    see the module docstring); ``keep_fraction`` of the context survives
     token eviction (e.g. SnapKV).
     """
 
@@ -185,6 +189,7 @@ class Scheme:
     keep_fraction: float = 1.0
     scale_bytes: int = 2
     zero_bytes: int = 2
+    policy: str = "kivi"
 
     def __post_init__(self) -> None:
         """Reject out-of-range settings."""
@@ -198,6 +203,11 @@ class Scheme:
             raise ValueError(f"{self.name}: keep_fraction must be in (0, 1]")
         if self.scale_bytes < 0 or self.zero_bytes < 0:
             raise ValueError(f"{self.name}: metadata sizes must be >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"{self.name}: policy must be one of {', '.join(POLICIES)}")
+        if self.group is not None and self.residual and self.policy == "kivi" and self.residual % self.group:
+            raise ValueError(f"{self.name}: KIVI's policy quantizes keys residual tokens at a time, in whole groups: "
+                             f"residual must be a multiple of group {self.group} (or use '-together')")
 
     @classmethod
     def bf16(cls) -> Scheme:
@@ -223,16 +233,17 @@ class Scheme:
         return cls(name="fp8", bits=8, scale_bytes=0, zero_bytes=0)
 
     @classmethod
-    def int(cls, bits: int, group: int, residual: int) -> Scheme:
+    def int(cls, bits: int, group: int, residual: int, policy: str = "kivi") -> Scheme:
         """KIVI-style integer quantization.
 
         Keys per channel in groups of ``group`` tokens, values per token in
         groups of ``group`` channels, one fp16 scale + fp16 zero point (4 bytes)
-        per group, and the newest ``residual`` tokens in BF16.
+        per group, and recent tokens in BF16 by ``policy`` (module docstring).
         """
         if not 1 <= bits <= 8:
             raise ValueError(f"int{bits}: integer bits must be in [1, 8]")
-        return cls(name=f"int{bits}-g{group}-r{residual}", bits=bits, group=group, residual=residual)
+        suffix = "" if policy == "kivi" else f"-{policy}"
+        return cls(name=f"int{bits}-g{group}-r{residual}{suffix}", bits=bits, group=group, residual=residual, policy=policy)
 
     def with_keep(self, fraction: float) -> Scheme:
         """The same storage with only ``fraction`` of the tokens kept (name gets ``+keepF``)."""
@@ -256,7 +267,7 @@ class Scheme:
             elif m["fp8"]:
                 scheme = cls.fp8()
             else:
-                scheme = cls.int(int(m["bits"]), int(m["group"]), int(m["residual"]))
+                scheme = cls.int(int(m["bits"]), int(m["group"]), int(m["residual"]), m["policy"] or "kivi")
             if m["keep"] is not None:
                 scheme = scheme.with_keep(float(m["keep"]))
         except ValueError as err:
@@ -286,25 +297,37 @@ def _bf16_layer_bytes_per_token(geom: KVGeometry) -> int:
     return BF16_BYTES * geom.elements_per_layer_token()
 
 
-def _quantized_layer_bytes(geom: KVGeometry, scheme: Scheme, n: int) -> int:
-    """Exact bytes one layer needs to store ``n`` tokens under ``scheme``.
+def _quantized_layer_bytes(geom: KVGeometry, scheme: Scheme, keys: int, values: int) -> int:
+    """Exact bytes one layer needs to store ``keys`` keys and ``values`` values as codes under ``scheme`` (an MLA
+    latent: ``keys`` latent vectors).
 
     Codes are packed per tensor per head (rounded up to a whole byte); key
     groups are counted whole (``ceil(n / group)`` per channel).
     """
     meta = scheme.scale_bytes + scheme.zero_bytes
     if geom.latent_dim is not None:
-        codes = ceil_div(n * geom.latent_dim * scheme.bits, 8)
+        codes = ceil_div(keys * geom.latent_dim * scheme.bits, 8)
         if scheme.group is None:
             return codes
-        return codes + n * ceil_div(geom.latent_dim, scheme.group) * meta
+        return codes + keys * ceil_div(geom.latent_dim, scheme.group) * meta
     if scheme.group is None:
         codes = TensorCodes(scheme.bits, "static")
-        return 2 * tensor_code_bytes(codes, geom.kv_heads, geom.head_dim, n)
+        return stored_layer_bytes(codes, codes, geom.kv_heads, geom.head_dim, (keys, values), (0, 0), 0)
     # keys: one group per channel per g tokens; values: ceil(d/g) groups per token
     key = TensorCodes(scheme.bits, "channel", scheme.group, meta)
     value = TensorCodes(scheme.bits, "token", scheme.group, meta)
-    return stored_layer_bytes(key, value, geom.kv_heads, geom.head_dim, n, 0, 0)
+    return stored_layer_bytes(key, value, geom.kv_heads, geom.head_dim, (keys, values), (0, 0), 0)
+
+
+def coded_split(geom: KVGeometry, scheme: Scheme, held: int) -> tuple[int, int]:
+    """(keys, values) of the ``held`` tokens of one layer stored as codes; the rest are in BF16. The real layer's
+    rule (``kvlab.kernels.layouts.coded_tokens``) for per-channel keys in groups and per-token values; schemes
+    without groups, an MLA latent and a residual of 0 keep exactly the newest ``residual`` tokens."""
+    if scheme.group is None or geom.latent_dim is not None or scheme.residual == 0:
+        coded = max(0, held - scheme.residual)
+        return coded, coded
+    args = (held, scheme.residual, scheme.group)
+    return coded_tokens(scheme.policy, True, *args), coded_tokens(scheme.policy, False, *args)
 
 
 def _layer_bytes_per_token(geom: KVGeometry, scheme: Scheme) -> Fraction:
@@ -355,17 +378,16 @@ def context_bytes(geom: KVGeometry, scheme: Scheme, tokens: int) -> int:
     """Exact cache bytes for a context of ``tokens`` tokens (physical view).
 
     Each layer holds ``kept_tokens(scheme, tokens)`` tokens (a sliding layer at
-    most ``sliding_window``).  Of those, the newest ``min(held, residual)`` are
-    stored in BF16 *instead of* quantized, and the rest are quantized with
-    their group metadata.  Residual tokens are therefore counted once.
+    most ``sliding_window``).  Of those, the keys and values ``coded_split``
+    gives are quantized with their group metadata, and the others (the newest)
+    are stored in BF16 *instead of* quantized: what the cache layer stores.
     """
-    bf16_per_layer = _bf16_layer_bytes_per_token(geom)
+    per_tensor = BF16_BYTES * (geom.latent_dim if geom.latent_dim is not None else geom.kv_heads * geom.head_dim)
     total = 0
     for n_layers, held in _layer_groups(geom, kept_tokens(scheme, tokens)):
-        resid = min(held, scheme.residual)
-        total += n_layers * (
-            _quantized_layer_bytes(geom, scheme, held - resid) + resid * bf16_per_layer
-        )
+        keys, values = coded_split(geom, scheme, held)
+        dense = held - keys if geom.latent_dim is not None else 2 * held - keys - values
+        total += n_layers * (_quantized_layer_bytes(geom, scheme, keys, values) + dense * per_tensor)
     return total
 
 
@@ -379,7 +401,7 @@ def article_view_bytes(geom: KVGeometry, scheme: Scheme, tokens: int) -> int:
     total = 0
     for n_layers, held in _layer_groups(geom, kept_tokens(scheme, tokens)):
         total += n_layers * (
-            _quantized_layer_bytes(geom, scheme, held)
+            _quantized_layer_bytes(geom, scheme, held, held)
             + min(held, scheme.residual) * bf16_per_layer
         )
     return total

@@ -3,8 +3,10 @@ the full-precision residual, without materializing the dequantized cache.
 
 The quantized part is attended segment by segment, each returning its softmax state: the normalized output
 ``o`` and the log-sum-exp ``lse`` of its scaled scores. Segments merge exactly (flash-decoding):
-``lse = logsumexp(lse_i)``, ``o = Σ exp(lse_i − lse) · o_i``. The full-precision tokens (sinks, residual, the
-new token) are a short dense segment; the codes are one segment per split of the token axis.
+``lse = logsumexp(lse_i)``, ``o = Σ exp(lse_i − lse) · o_i``. The tokens whose key and value are both in codes are
+one segment per split of the token axis; every other token (sinks, the codes of one tensor beyond those, which
+KIVI's policy leaves, e.g. keys flushed while their values are still in full precision, dequantized; the
+residual; the new token) is a short dense segment.
 
 This module holds the torch reference (the codes dequantized with ``kvlab.kernels.quant``, then dense attention
 per segment, then the merge) and the dispatcher; ``kvlab.kernels.triton_decode`` computes the same output with
@@ -119,19 +121,21 @@ def supported(layer) -> str | None:
 
 
 def codes_segment_reference(q: torch.Tensor, layer, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax state over the layer's quantized tokens: dequantize them (the ``quant`` references), then attend."""
-    shape = (*layer.keys.shape[:2], layer.quantized, layer.keys.shape[-1])
-    k = layer.spec.key.decode(layer.stored["key"], shape)
-    v = layer.spec.value.decode(layer.stored["value"], shape)
-    return dense_segment(q, k, v, scaling)
+    """Softmax state over the tokens whose key and value are both in codes: dequantize them (the codecs'
+    references), then attend."""
+    both = layer.quantized
+    return dense_segment(q, layer.decode("key", 0, both), layer.decode("value", 0, both), scaling)
 
 
 def dense_tokens(layer, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The full-precision segment (B, H, n, D) keys and values: sinks, residual, then the new token (if given); the
-    residual itself where it is all of it (no copy)."""
-    out = []
-    for parts in ((layer.sink_keys, layer.keys, new_keys), (layer.sink_values, layer.values, new_values)):
-        parts = [t for t in parts if t is not None]
+    """The dense segment (B, H, n, D) keys and values: every token after those whose key and value are both in
+    codes: sinks, the codes one tensor holds beyond those (dequantized: at most a residual's worth), residual,
+    then the new token (if given); the residual itself where it is all of it (no copy)."""
+    both, out = layer.quantized, []
+    for part, sinks, held, new, coded in (("key", layer.sink_keys, layer.keys, new_keys, layer.coded_keys),
+                                           ("value", layer.sink_values, layer.values, new_values, layer.coded_values)):
+        lead = layer.decode(part, both, coded) if coded > both else None
+        parts = [t for t in (sinks, lead, held, new) if t is not None]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2))
     return out[0], out[1]
 

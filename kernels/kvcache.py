@@ -3,12 +3,17 @@
 A :class:`QuantizedKVLayer` stores, per layer and in sequence order:
   1. ``sinks``: the first ``sink_tokens`` tokens in full precision (KVQuant's attention-sink option);
   2. the quantized part: packed codes plus their metadata (scales, zero points, sparse outliers) only;
-  3. the residual: the newest tokens in full precision, between ``residual`` and ``residual + group - 1``
-     of them (``self.keys`` / ``self.values``, as in transformers' DynamicLayer).
-Streaming (KIVI): new tokens enter the residual; whenever it holds ``residual + group`` tokens, its oldest
-``group`` tokens are quantized as one complete group and appended to the codes. Codes are written once and
-never dequantized-and-requantized. A prefilled cache is split the same way in one step: every complete
-group beyond the last ``residual`` tokens is quantized, the rest stays in the residual.
+  3. the residual: the newest tokens in full precision (``self.keys`` / ``self.values``, as in transformers'
+     DynamicLayer), for keys and values each as many as the layer's policy leaves.
+Streaming: new tokens enter the residual, and the spec's ``policy`` says when they move into codes
+(``kvlab.kernels.layouts.coded_tokens``):
+  - ``kivi``, KIVI's own cache: keys (per channel) are quantized R at a time, all of the full-precision keys
+    once there are R of them (0 to R − 1 stay); values (per token) one at a time, the oldest beyond the newest
+    R (R stay). So keys and values hold different counts of codes.
+  - ``together``: keys and values move together; whenever the residual holds ``residual + group`` tokens its
+    oldest ``group`` are quantized as one complete group (residual to residual + group − 1 stay).
+Codes are written once and never dequantized-and-requantized. A prefilled cache is split by the same rule in
+one step, so it stores what streaming the same tokens would.
 
 ``update`` returns the full-precision view for attention: the dequantized codes, the residual and the new
 tokens unquantized — so the tokens of a prefill chunk attend to each other exactly, as in KIVI, and a decoded
@@ -28,7 +33,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvlab.kernels import quant
+from kvlab.kernels import layouts, quant
 from kvlab.kernels.codecs import AffineCodec
 
 
@@ -51,10 +56,33 @@ class LayerSpec:
 
     key: Any
     value: Any
-    group: int  # tokens quantized at once (a complete key group); 1 for per-token schemes
-    residual: int  # newest tokens always kept in full precision
+    group: int  # tokens quantized at once under `together` (a complete key group); 1 for per-token schemes
+    residual: int  # newest tokens kept in full precision (see `policy`)
     sink_tokens: int = 0  # first tokens always kept in full precision
     rope: bool = False  # the key codec needs each token's RoPE tables (pre-RoPE quantization)
+    policy: str = "together"  # when tokens move into codes: kivi | together (kvlab.kernels.layouts.coded_tokens)
+
+    def __post_init__(self):
+        if self.policy not in layouts.POLICIES:
+            raise ValueError(f"quantized cache policy must be one of {', '.join(layouts.POLICIES)}, got {self.policy!r}")
+        if self.policy == "kivi":
+            for codec in (self.key, self.value):  # the rule's own check: R in whole groups of a per-channel codec
+                layouts.coded_tokens("kivi", _per_channel(codec), 0, self.residual, _unit(codec))
+
+    def coded(self, part: str, full_precision: int) -> int:
+        """Of `full_precision` tokens of `part` (key, value) beyond the sinks, how many are quantized now."""
+        codec = self.key if part == "key" else self.value
+        group = self.group if self.policy == "together" else _unit(codec)
+        return layouts.coded_tokens(self.policy, _per_channel(codec), full_precision, self.residual, group)
+
+
+def _per_channel(codec) -> bool:
+    return isinstance(codec, AffineCodec) and codec.axis == "channel"
+
+
+def _unit(codec) -> int:
+    """Tokens per stored unit of a codec: its group for per-channel codes, else 1."""
+    return codec.group if _per_channel(codec) else 1
 
 
 class QuantizedKVLayer(DynamicLayer):
@@ -65,14 +93,24 @@ class QuantizedKVLayer(DynamicLayer):
         self.spec = spec
         self.sink_keys = self.sink_values = None
         self.stored: dict[str, dict[str, torch.Tensor]] = {"key": {}, "value": {}}
-        self.quantized = 0  # tokens in codes
+        self.coded_keys = self.coded_values = 0  # tokens of each tensor in codes (the first ones after the sinks)
         # () float32 on the device: the sum of the one-token appends since the last read, NaN/Inf iff they held one
         self._unread_nonfinite: torch.Tensor | None = None
         self.cumulative_length = 0
         # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
         # rotary cache, kept beside the cache and not counted as KV bytes.
         self.cos = self.sin = None
-        self._decoded: tuple[int, torch.Tensor, torch.Tensor] | None = None  # see _dequantized
+        self._decoded: tuple[int, torch.Tensor | None, int, torch.Tensor | None] | None = None  # see _dequantized
+
+    @property
+    def coded(self) -> tuple[int, int]:
+        """Tokens in codes: (keys, values)."""
+        return self.coded_keys, self.coded_values
+
+    @property
+    def quantized(self) -> int:
+        """Tokens whose key and value are both in codes (the first ones after the sinks)."""
+        return min(self.coded_keys, self.coded_values)
 
     def fork(self) -> "QuantizedKVLayer":
         """An independent copy sharing the stored tensors (updates build new tensors, never write in place)."""
@@ -81,32 +119,32 @@ class QuantizedKVLayer(DynamicLayer):
         return out
 
     def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The codes in full precision. Codes are written once and only appended to, and every codec decodes per
-        group or per token, so the tokens decoded at an earlier call are kept (`_decoded`, a compute cache of the
-        dequantizing path, never counted as stored bytes) and only codes added since are decoded: the same
-        values as decoding them all again, without the O(context) work at every step."""
-        if not self.quantized:
-            return None, None
-        done, k, v = self._decoded if self._decoded is not None else (0, None, None)
-        if done < self.quantized:
-            dk, dv = self._decode_tokens(done, self.quantized)
-            k, v = _cat(k, dk), _cat(v, dv)
-            self._decoded = (self.quantized, k, v)
+        """The codes in full precision (keys, values; None for a tensor with none). Codes are written once and
+        only appended to, and every codec decodes per group or per token, so the tokens decoded at an earlier call
+        are kept (`_decoded`, a compute cache of the dequantizing path, never counted as stored bytes) and only
+        codes added since are decoded: the same values as decoding them all again, without the O(context) work
+        at every step."""
+        done_k, k, done_v, v = self._decoded if self._decoded is not None else (0, None, 0, None)
+        if done_k < self.coded_keys:
+            k = _cat(k, self.decode("key", done_k, self.coded_keys))
+        if done_v < self.coded_values:
+            v = _cat(v, self.decode("value", done_v, self.coded_values))
+        self._decoded = (self.coded_keys, k, self.coded_values, v)
         return k, v
 
-    def _decode_tokens(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes of quantized tokens a…b-1 (group boundaries for channel-grouped codecs) in full precision."""
-        shape = (*self.keys.shape[:2], b - a, self.keys.shape[-1])
+    def decode(self, part: str, a: int, b: int) -> torch.Tensor:
+        """Coded tokens a…b-1 of `part` (key, value) in full precision: the stored units covering them (whole
+        groups of a per-channel codec) decoded, then cut to a…b-1."""
+        codec = self.spec.key if part == "key" else self.spec.value
+        per = _unit(codec)
+        lo, hi = a // per * per, -(-b // per) * per
+        shape = (*self.keys.shape[:2], hi - lo, self.keys.shape[-1])
         cos = sin = None
         if self.spec.rope:
-            lo = self.spec.sink_tokens
-            cos, sin = self.cos[:, lo + a : lo + b], self.sin[:, lo + a : lo + b]
-        out = []
-        for part, codec in (("key", self.spec.key), ("value", self.spec.value)):
-            per = codec.group if isinstance(codec, AffineCodec) and codec.axis == "channel" else 1  # tokens per unit
-            block = {name: t[:, :, a // per : b // per] for name, t in self.stored[part].items()}
-            out.append(codec.decode(block, shape, cos, sin).to(self.dtype))
-        return out[0], out[1]
+            first = self.spec.sink_tokens
+            cos, sin = self.cos[:, first + lo : first + hi], self.sin[:, first + lo : first + hi]
+        block = {name: t[:, :, lo // per : hi // per] for name, t in self.stored[part].items()}
+        return codec.decode(block, shape, cos, sin).to(self.dtype)[..., a - lo : b - lo, :]
 
     def full(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sinks, dequantized codes, residual (and new tokens) in sequence order, full precision."""
@@ -123,7 +161,7 @@ class QuantizedKVLayer(DynamicLayer):
         return out
 
     def append(self, key_states, value_states, cache_kwargs: dict | None = None) -> None:
-        """Store new tokens (residual, then complete groups into codes) without building the dequantized view:
+        """Store new tokens (residual, then what the policy quantizes into codes) without building the dequantized view:
         the fused decode path (``decode_attention``) attends to the codes where they lie. Every token must be
         finite, and the tokens this call quantizes within their codec's range; a failing call stores nothing.
 
@@ -132,7 +170,9 @@ class QuantizedKVLayer(DynamicLayer):
         prefill, a chunk), checks all its tokens with that one read — a NaN entering the residual or the sinks
         there is refused at once. A one-token call that quantizes nothing (most decode steps) reads nothing: it
         records on the device a sum that a NaN/Inf makes non-finite, and the next read (the next quantizing call, at
-        most ``group`` tokens later) refuses what entered. On the CPU the same rule holds (the same code)."""
+        most ``group`` tokens later) refuses what entered. Under KIVI's own policy a one-token call quantizes the
+        oldest full-precision value once R are held, so nearly every decode step reads (on a GPU, one wait per
+        layer and step). On the CPU the same rule holds (the same code)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for t, what in ((key_states, "keys"), (value_states, "values")):
@@ -141,12 +181,13 @@ class QuantizedKVLayer(DynamicLayer):
             raise ValueError("a pre-RoPE key codec needs the RoPE tables (cos, sin) of every token it stores")
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
-        sinks, n = self._plan(keys.shape[-2])
+        sinks, *coding = self._plan(keys.shape[-2], values.shape[-2])
         codecs = ((keys, key_states, "keys", self.spec.key), (values, value_states, "values", self.spec.value))
+        quantizing = [(t, what, codec, n) for (t, _, what, codec), n in zip(codecs, coding) if n]
         unread = self._unread_nonfinite
-        if n or key_states.shape[-2] > 1:
+        if quantizing or key_states.shape[-2] > 1:
             checks = [(f"quantized cache layer {what}", t[..., sinks : sinks + n, :], getattr(codec, "fp16_metadata", False))
-                      for t, _, what, codec in codecs] if n else []
+                      for t, what, codec, n in quantizing]
             # all new tokens: the quantized ones are checked above first, so a failure here is in sinks or residual
             checks += [(f"quantized cache layer {what} entering full precision (sinks or residual)", new, False)
                        for _, new, what, _ in codecs]
@@ -154,8 +195,8 @@ class QuantizedKVLayer(DynamicLayer):
             entered = [] if unread is None else [(f"quantized cache layer {what}", unread, tuple(t for t in held[i] if t is not None))
                                                  for i, (_, _, what, _) in enumerate(codecs)]
             peaks = quant.check_input(*checks, entered=tuple(entered))
-            if n and peaks is not None:
-                for (_, _, what, codec), peak in zip(codecs, peaks):
+            if peaks is not None:
+                for (_, what, codec, _), peak in zip(quantizing, peaks):
                     if hasattr(codec, "check_first_peak"):
                         codec.check_first_peak(peak, f"quantized cache layer {what}")
             unread = None
@@ -172,32 +213,36 @@ class QuantizedKVLayer(DynamicLayer):
         self.cumulative_length += key_states.shape[-2]
         self._settle()
 
-    def _plan(self, unsettled: int) -> tuple[int, int]:
-        """Of `unsettled` leading full-precision tokens: how many move into the sinks, and how many after them
-        are quantized (every complete group beyond the residual)."""
+    def _plan(self, keys: int, values: int) -> tuple[int, int, int]:
+        """Of `keys` / `values` leading full-precision tokens: how many move into the sinks (as many of each: sinks
+        fill before anything is quantized), and how many of each after them are quantized (the spec's policy).
+        The codes so far are whole units of that rule, so applying it to what is still in full precision splits
+        the tokens as applying it to all of them would."""
         held = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
-        sinks = min(max(self.spec.sink_tokens - held, 0), unsettled)
-        return sinks, max(0, (unsettled - sinks - self.spec.residual) // self.spec.group * self.spec.group)
+        sinks = min(max(self.spec.sink_tokens - held, 0), keys)
+        return sinks, self.spec.coded("key", keys - sinks), self.spec.coded("value", values - sinks)
 
     def _settle(self) -> None:
-        """Move leading tokens into the sinks, then quantize every complete group beyond the residual."""
+        """Move leading tokens into the sinks, then quantize what the policy quantizes of keys and of values."""
         spec = self.spec
-        take, n = self._plan(self.keys.shape[-2])
+        take, n_keys, n_values = self._plan(self.keys.shape[-2], self.values.shape[-2])
         if take:
             self.sink_keys = _cat(self.sink_keys, self.keys[..., :take, :])
             self.sink_values = _cat(self.sink_values, self.values[..., :take, :])
             self.keys, self.values = self.keys[..., take:, :], self.values[..., take:, :]
-        if not n:
-            return
-        cos = sin = None
-        if spec.rope:
-            lo = spec.sink_tokens + self.quantized
-            cos, sin = self.cos[:, lo : lo + n], self.sin[:, lo : lo + n]
-        for name, codec, x in (("key", spec.key, self.keys), ("value", spec.value, self.values)):
+        for name, codec, attr, n in (("key", spec.key, "keys", n_keys), ("value", spec.value, "values", n_values)):
+            if not n:
+                continue
+            done = getattr(self, f"coded_{attr}")
+            cos = sin = None
+            if spec.rope:
+                lo = spec.sink_tokens + done
+                cos, sin = self.cos[:, lo : lo + n], self.sin[:, lo : lo + n]
+            x = getattr(self, attr)
             block = codec.encode(x[..., :n, :], cos, sin)
             self.stored[name] = {k: _cat(self.stored[name].get(k), t) for k, t in block.items()}
-        self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
-        self.quantized += n
+            setattr(self, attr, x[..., n:, :])
+            setattr(self, f"coded_{attr}", done + n)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -211,7 +256,8 @@ class QuantizedKVLayer(DynamicLayer):
     def counts(self) -> dict[str, int]:
         """Tokens held per storage class (for the byte-accounting formula)."""
         sinks = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
-        return {"sink_tokens": sinks, "quantized_tokens": self.quantized, "residual_tokens": self.keys.shape[-2]}
+        return {"sink_tokens": sinks, "quantized_keys": self.coded_keys, "quantized_values": self.coded_values,
+                "residual_keys": self.keys.shape[-2], "residual_values": self.values.shape[-2]}
 
 
 _FULL_PRECISION = ("sink_keys", "sink_values", "keys", "values")  # a layer's tensors beside its stored codes

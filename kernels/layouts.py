@@ -45,9 +45,36 @@ def tensor_code_bytes(codes: TensorCodes, kv_heads: int, head_dim: int, tokens: 
     return total
 
 
-def stored_layer_bytes(key: TensorCodes, value: TensorCodes, kv_heads: int, head_dim: int, quantized: int,
-                       dense: int, dense_bytes: int) -> int:
-    """Bytes one quantized cache layer stores: ``quantized`` tokens as codes, ``dense`` tokens (residual
-    window and sinks) at ``dense_bytes`` per element."""
-    return (tensor_code_bytes(key, kv_heads, head_dim, quantized) + tensor_code_bytes(value, kv_heads, head_dim, quantized)
-            + dense * 2 * kv_heads * head_dim * dense_bytes)
+POLICIES = ("kivi", "together")
+"""How a quantized layer streams tokens into codes (:func:`coded_tokens`)."""
+
+
+def coded_tokens(policy: str, per_channel: bool, held: int, residual: int, group: int) -> int:
+    """Of ``held`` tokens of one tensor not in sinks (codes and full precision together), how many a layer
+    stores as codes; the rest are its newest, in full precision.
+
+    - ``kivi`` (KIVI's own cache, jy-yuan/KIVI ``models/llama_kivi.py``): a tensor quantized per channel over
+      groups of tokens (keys) quantizes its full-precision tokens all at once whenever they reach ``residual``
+      (a multiple of the group), so 0 to residual − 1 of them stay; a per-token tensor (values) quantizes its
+      oldest full-precision token whenever more than ``residual`` are held, so min(held, residual) stay.
+    - ``together`` (kvlab's earlier policy, kept as an option): keys and values move together, every complete
+      ``group`` beyond the newest ``residual`` tokens is quantized, so residual to residual + group − 1 stay.
+    """
+    if policy == "together":
+        return max(0, (held - residual) // group * group)
+    if policy != "kivi":
+        raise ValueError(f"quantized cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if per_channel:
+        if residual <= 0 or residual % group:
+            raise ValueError(f"KIVI's policy flushes per-channel codes R tokens at a time, in whole groups: residual "
+                             f"must be a positive multiple of group {group}, got {residual}")
+        return held // residual * residual
+    return max(0, held - residual)
+
+
+def stored_layer_bytes(key: TensorCodes, value: TensorCodes, kv_heads: int, head_dim: int, quantized: tuple[int, int],
+                       dense: tuple[int, int], dense_bytes: int) -> int:
+    """Bytes one quantized cache layer stores: ``quantized`` (keys, values) tokens as codes, ``dense`` (keys, values)
+    tokens (residual window and sinks) at ``dense_bytes`` per element."""
+    return (tensor_code_bytes(key, kv_heads, head_dim, quantized[0]) + tensor_code_bytes(value, kv_heads, head_dim, quantized[1])
+            + sum(dense) * kv_heads * head_dim * dense_bytes)

@@ -157,14 +157,16 @@ def _online(q, kt, v, tmask, m, denom, acc, scaling, IEEE: tl.constexpr):
 # Sizes that change from step to step are not specialized on (a value of 1 or a multiple of 16 would compile
 # another variant, possibly in the middle of a CUDA graph capture); the loads' alignment comes from the rows'
 # widths, which are compile-time constants.
-@triton.jit(do_not_specialize=["T", "ND", "SPLITS", "TILES_PER_SPLIT"])
-def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, ND, REP, SPLITS, TILES_PER_SPLIT,
+@triton.jit(do_not_specialize=["T", "TK", "TV", "ND", "SPLITS", "TILES_PER_SPLIT"])
+def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, TK, TV, ND, REP, SPLITS, TILES_PER_SPLIT,
                    scaling, FP8: tl.constexpr, KBITS: tl.constexpr, KG: tl.constexpr, KCHANNEL: tl.constexpr,
                    VBITS: tl.constexpr, VG: tl.constexpr, VCHANNEL: tl.constexpr, IEEE: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DENSE: tl.constexpr, D: tl.constexpr):
     """Programs (sequence × KV head, split): splits 0…SPLITS-1 walk the codes, TILES_PER_SPLIT tiles of BLOCK_T
-    tokens each (a channel-axis tile is BLOCK_T / G whole groups); the last one the ND dense tokens (sinks,
-    residual, the new token). Each writes its softmax state (o, lse) for the rep query heads."""
+    tokens each (a channel-axis tile is BLOCK_T / G whole groups) of the first T coded tokens, out of TK key and
+    TV value codes per sequence and head (KIVI's policy codes more keys than values, or the other way round: the
+    rest are dense tokens); the last one the ND dense tokens (sinks, codes beyond T dequantized, residual, the new
+    token). Each writes its softmax state (o, lse) for the rep query heads."""
     bh = tl.program_id(0).to(tl.int64)  # (sequence, KV head), int64 so long caches do not overflow offsets
     split = tl.program_id(1)
     h = bh % H
@@ -210,23 +212,24 @@ def _decode_kernel(q_ptr, o_ptr, lse_ptr, kc, ks, kz, vc, vs, vz, dk, dv, H, T, 
         for tile in range(first, last):
             t = tile * BLOCK_T + order
             tmask = t < T
-            tok = bh * T + t
+            tok_k = bh * TK + t
+            tok_v = bh * TV + t
             if FP8:
-                kt = tl.trans(_fp8_tile(kc, tok, tmask, D, BLOCK_T, DT))
-                v = _fp8_tile(vc, tok, tmask, D, BLOCK_T, DT)
+                kt = tl.trans(_fp8_tile(kc, tok_k, tmask, D, BLOCK_T, DT))
+                v = _fp8_tile(vc, tok_v, tmask, D, BLOCK_T, DT)
             else:
                 if KCHANNEL:
                     grp = tile * (BLOCK_T // KG) + tl.arange(0, BLOCK_T // KG)
-                    kt = _channel_tile(kc, ks, kz, bh * tl.cdiv(T, KG) + tile * (BLOCK_T // KG), grp < tl.cdiv(T, KG),
+                    kt = _channel_tile(kc, ks, kz, bh * tl.cdiv(TK, KG) + tile * (BLOCK_T // KG), grp < tl.cdiv(T, KG),
                                        d, KBITS, KG, BLOCK_T // KG, D, DT)
                 else:
-                    kt = tl.trans(_token_tile(kc, ks, kz, tok, tmask, KBITS, KG, D, BLOCK_T, DT))
+                    kt = tl.trans(_token_tile(kc, ks, kz, tok_k, tmask, KBITS, KG, D, BLOCK_T, DT))
                 if VCHANNEL:
                     grp = tile * (BLOCK_T // VG) + tl.arange(0, BLOCK_T // VG)
-                    v = tl.trans(_channel_tile(vc, vs, vz, bh * tl.cdiv(T, VG) + tile * (BLOCK_T // VG),
+                    v = tl.trans(_channel_tile(vc, vs, vz, bh * tl.cdiv(TV, VG) + tile * (BLOCK_T // VG),
                                                grp < tl.cdiv(T, VG), d, VBITS, VG, BLOCK_T // VG, D, DT))
                 else:
-                    v = _token_tile(vc, vs, vz, tok, tmask, VBITS, VG, D, BLOCK_T, DT)
+                    v = _token_tile(vc, vs, vz, tok_v, tmask, VBITS, VG, D, BLOCK_T, DT)
             m, denom, acc = _online(qc, kt, v, tmask, m, denom, acc, score_scale, IEEE)
         out = qrow * (SPLITS + 1) + split
         tl.store(o_ptr + out[:, None] * D + vcol[None, :], acc * (out_scale / denom[:, None]), mask=rmask[:, None])
@@ -258,7 +261,7 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, S, D: tl.constexpr, BLOCK_S: tl.con
     tl.store(out_ptr + row * D + d, tl.sum(w[:, None] * o, axis=0))
 
 
-def _programs_per_sm(pointers: tuple, h: int, t: int, nd: int, rep: int, meta: dict) -> int:
+def _programs_per_sm(pointers: tuple, h: int, t: int, coded: tuple[int, int], nd: int, rep: int, meta: dict) -> int:
     """Programs per multiprocessor for this variant of the kernel: compiled (not run) once per variant on CUDA."""
     q = pointers[0]
     if not q.is_cuda:
@@ -266,7 +269,8 @@ def _programs_per_sm(pointers: tuple, h: int, t: int, nd: int, rep: int, meta: d
     key = (q.device, q.dtype, tuple(x.dtype for x in pointers), tuple(sorted(meta.items())))
     if key not in _RESIDENT:
         scratch = torch.empty(1, dtype=torch.float32, device=q.device)  # o and lse: only their dtype matters here
-        compiled = _decode_kernel.warmup(q, scratch, scratch, *pointers[1:], h, t, nd, rep, 2, 2, 1.0, grid=(1,), **meta)
+        compiled = _decode_kernel.warmup(q, scratch, scratch, *pointers[1:], h, t, *coded, nd, rep, 2, 2, 1.0, grid=(1,),
+                                         **meta)
         _RESIDENT[key] = _resident(compiled, q.device)
     return _RESIDENT[key]
 
@@ -274,8 +278,10 @@ def _programs_per_sm(pointers: tuple, h: int, t: int, nd: int, rep: int, meta: d
 def arguments(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor,
               block_t: int | None = None, num_warps: int = 4, num_stages: int | None = None):
     """What the kernel is launched with for this layer and query, but the outputs and splits: the tensors it reads
-    (q, the six code tensors, the dense keys and values), the sizes (KV heads, quantized tokens, dense tokens,
-    query heads per KV head) and the compile-time parameters (``attend`` documents them)."""
+    (q, the six code tensors, the dense keys and values), the sizes (KV heads, tokens read from codes, key and
+    value codes per sequence and head, dense tokens, query heads per KV head) and the compile-time parameters
+    (``attend`` documents them). The codes read are the tokens whose key and value are both coded
+    (``layer.quantized``); ``dense_k``/``dense_v`` hold every token after them."""
     if block_t is not None and (block_t < 16 or block_t & (block_t - 1)):
         raise ValueError(f"block_t is the tokens of a tile: a power of two from 16, got {block_t}")
     d = q.shape[-1]
@@ -300,7 +306,7 @@ def arguments(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: 
                 BLOCK_R=max(16, triton.next_power_of_2(rep)), BLOCK_T=block_t, BLOCK_DENSE=_BLOCK_DENSE, D=d,
                 num_warps=num_warps, num_stages=num_stages or (2 if q.dtype == torch.float32 else 3))
     pointers = (q.contiguous(), *(x.contiguous() for x in tensors), dense_k.contiguous(), dense_v.contiguous())
-    return pointers, (h, t, dense_k.shape[2], rep), meta
+    return pointers, (h, t, layer.coded, dense_k.shape[2], rep), meta
 
 
 def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: torch.Tensor, scaling: float,
@@ -313,13 +319,13 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
     2 for float32 queries, whose tiles take twice the shared memory). 4 warps and 3 stages were fastest or
     within a few percent for every format in a sweep on an H200 (4 or 8 warps, 1 to 3 stages, batch 8) of the
     previous version of this kernel, which read one key group per tile."""
-    pointers, (h, t, nd, rep), meta = arguments(q, layer, fmt, dense_k, dense_v, block_t, num_warps, num_stages)
+    pointers, (h, t, coded, nd, rep), meta = arguments(q, layer, fmt, dense_k, dense_v, block_t, num_warps, num_stages)
     b, hq, d = q.shape
     block_t = meta["BLOCK_T"]
     tiles = triton.cdiv(t, block_t)
     per_split = n_splits = 0
     if tiles:
-        wanted = splits or max(1, _programs_per_sm(pointers, h, t, nd, rep, meta)
+        wanted = splits or max(1, _programs_per_sm(pointers, h, t, coded, nd, rep, meta)
                                * _multiprocessors(q.device) // (b * h) - 1)  # one wave, with the dense programs
         per_split = triton.cdiv(tiles, min(tiles, wanted))
         if not splits:
@@ -327,7 +333,7 @@ def attend(q: torch.Tensor, layer, fmt: str, dense_k: torch.Tensor, dense_v: tor
         n_splits = triton.cdiv(tiles, per_split)  # every split starts inside the T tokens
     o = torch.empty(b, hq, n_splits + 1, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, hq, n_splits + 1, dtype=torch.float32, device=q.device)
-    _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, nd, rep, n_splits, per_split,
+    _decode_kernel[(b * h, n_splits + 1)](pointers[0], o, lse, *pointers[1:], h, t, *coded, nd, rep, n_splits, per_split,
                                           float(scaling) * _LOG2E, **meta)
     out = torch.empty(b, hq, d, dtype=torch.float32, device=q.device)
     _combine_kernel[(b * hq,)](o, lse, out, n_splits + 1, D=d, BLOCK_S=max(2, triton.next_power_of_2(n_splits + 1)))

@@ -49,17 +49,42 @@ def test_int4_g32_per_token_codes_plus_metadata():
     assert bytes_per_token(g, INT4) == 102_400 == codes + meta
 
 
+# Llama-3.1-70B INT4 G=32, per token over all layers: quantized keys 40,960 B codes + 10,240 B metadata = 51,200;
+# quantized values the same; one tensor in BF16 163,840.
+KEY_Q = VALUE_Q = 51_200
+TENSOR_BF16 = 163_840
+
+
 def test_int4_residual_and_128k_total_counts_residual_once():
     assert residual_bytes(LLAMA_31_70B, INT4) == 41_943_040 == 128 * 327_680
     total = context_bytes(LLAMA_31_70B, INT4, T128K)
-    assert total == (131_072 - 128) * 102_400 + 41_943_040 == 13_450_608_640
+    # KIVI's cache at 131,072 tokens (a multiple of R = 128): every key quantized, the newest 128 values in BF16
+    assert total == 131_072 * KEY_Q + (131_072 - 128) * VALUE_Q + 128 * TENSOR_BF16 == 13_436_190_720
+    # kvlab's earlier policy (together): the newest 128 tokens of both in BF16, the rest in whole groups
+    together = context_bytes(LLAMA_31_70B, Scheme.parse("int4-g32-r128-together"), T128K)
+    assert together == (131_072 - 128) * 102_400 + 41_943_040 == 13_450_608_640
+
+
+def test_kivi_policy_formula_against_the_issues_hand_count():
+    """T = 200, R = G = 32, D = 64, 2 KV heads, 2-bit: KIVI stores 192 keys and 168 values as codes (8 keys and
+    32 values in BF16): 27,520 B; the together policy 160 of both (40 in BF16): 35,840 B."""
+    g = KVGeometry("one-layer", layers=1, kv_heads=2, head_dim=64)
+    per_head = lambda k, v: k * 16 + k // 32 * 64 * 4 + v * 16 + v * 2 * 4 + (200 - k + 200 - v) * 64 * 2  # noqa: E731
+    assert context_bytes(g, Scheme.parse("int2-g32-r32"), 200) == 2 * per_head(192, 168) == 27_520
+    assert context_bytes(g, Scheme.parse("int2-g32-r32-together"), 200) == 2 * per_head(160, 160) == 35_840
+
+
+def test_kivi_policy_needs_a_residual_in_whole_groups():
+    with pytest.raises(ValueError, match="residual must be a multiple of group 32"):
+        Scheme.parse("int4-g32-r48")
+    assert Scheme.parse("int4-g32-r48-together").residual == 48
 
 
 def test_int4_article_view_adds_residual_on_top():
     view = article_view_bytes(LLAMA_31_70B, INT4, T128K)
     assert view == 131_072 * 102_400 + 41_943_040 == 13_463_715_840
     assert view - 41_943_040 == 12 * 1024**3 + 512 * 1024**2  # 12.5 GiB
-    assert view - context_bytes(LLAMA_31_70B, INT4, T128K) == 128 * 102_400
+    assert view - context_bytes(LLAMA_31_70B, INT4, T128K) == 128 * VALUE_Q + 128 * TENSOR_BF16 == 27_525_120
 
 
 def test_int4_keep_quarter():
@@ -67,8 +92,8 @@ def test_int4_keep_quarter():
     # article view: exactly a quarter of the quantized part, residual on top
     view = article_view_bytes(LLAMA_31_70B, INT4_KEEP, T128K)
     assert view - 41_943_040 == 131_072 * 102_400 // 4
-    # physical view: residual replaces the newest 128 kept tokens
-    assert context_bytes(LLAMA_31_70B, INT4_KEEP, T128K) == (32_768 - 128) * 102_400 + 41_943_040
+    # physical view (KIVI's cache, 32,768 a multiple of R): the newest 128 kept values in BF16 instead
+    assert context_bytes(LLAMA_31_70B, INT4_KEEP, T128K) == 32_768 * KEY_Q + (32_768 - 128) * VALUE_Q + 128 * TENSOR_BF16
 
 
 def test_mla():
@@ -81,7 +106,7 @@ def test_compression_ratio():
     assert compression_ratio(LLAMA_31_70B, INT4) == 3.2
     assert 327_680 / 102_400 == 3.2
     assert compression_ratio(LLAMA_31_70B, FP8, T128K) == 2.0
-    assert compression_ratio(LLAMA_31_70B, INT4, T128K) == 42_949_672_960 / 13_450_608_640
+    assert compression_ratio(LLAMA_31_70B, INT4, T128K) == 42_949_672_960 / 13_436_190_720
     assert compression_ratio(LLAMA_31_70B, INT4_KEEP) == 12.8
 
 
@@ -194,8 +219,8 @@ def test_article_cost_table():
     assert got == [
         ("Llama-3.1-70B", "bf16", 327_680, 42_949_672_960, "40 GB"),
         ("Llama-3.1-70B", "fp8", 163_840, 21_474_836_480, "20 GB"),
-        ("Llama-3.1-70B", "int4-g32-r128", 102_400, 13_450_608_640, "12.5 GB + 40 MB"),
-        ("Llama-3.1-70B", "int4-g32-r128+keep0.25", 102_400, 3_384_279_040, "≈3.1 GB"),
+        ("Llama-3.1-70B", "int4-g32-r128", 102_400, 13_436_190_720, "12.5 GB + 40 MB"),
+        ("Llama-3.1-70B", "int4-g32-r128+keep0.25", 102_400, 3_369_861_120, "≈3.1 GB"),
         ("DeepSeek-V3", "bf16", 70_272, 9_210_691_584, "8.8 GB"),
     ]
     assert rows[2]["article_view"] == 13_463_715_840

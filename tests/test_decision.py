@@ -15,7 +15,7 @@ def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None,
     base = {"model": "m", "shape": shape, "task": shape, "context_tokens": 512, "question_mode": mode, "method": method,
             "method_kind": kind, "press": press, "wrapper": None, "scheme": scheme, "bits": bits,
             "key_axis": "channel" if scheme == "kivi" else None, "value_axis": "token" if scheme == "kivi" else None,
-            "budget": budget, "turn": 1, "kv_fraction_bf16": fraction if fraction is not None else budget}
+            "policy": "kivi" if scheme == "kivi" else None, "budget": budget, "turn": 1, "kv_fraction_bf16": fraction if fraction is not None else budget}
     return [{**base, "sample_id": f"{shape}-{i}", "kl_vs_full": kl,
              "score": None if kl is not None else float(i < round(accuracy * rows)),
              "full_score": None if kl is not None else float(i < round(full * rows))} for i in range(rows)]

@@ -31,13 +31,17 @@ def spec_for(name: str) -> kvcache.LayerSpec:
         key_axis, value_axis = ("token", "token") if name == "kivi4-keys-by-token" else ("channel", "channel")
         return kvcache.LayerSpec(codecs.AffineCodec(4, 32, key_axis), codecs.AffineCodec(4, 32, value_axis),
                                  group=32, residual=7, sink_tokens=3)
+    if name in ("kivi4-policy", "kivi4-swapped-policy"):  # KIVI's own streaming: more keys than values in codes
+        key_axis, value_axis = ("channel", "token") if name == "kivi4-policy" else ("token", "channel")
+        return kvcache.LayerSpec(codecs.AffineCodec(4, 32, key_axis), codecs.AffineCodec(4, 32, value_axis),
+                                 group=32, residual=32, policy="kivi")
     bits, group = {"kivi2": (2, 32), "kivi4": (4, 32), "kivi4-g64": (4, 64), "kivi4-g16": (4, 16), "kivi8": (8, 32)}[name]
     return kvcache.LayerSpec(codecs.AffineCodec(bits, group, "channel"), codecs.AffineCodec(bits, group, "token"),
                              group=group, residual=7, sink_tokens=3)
 
 
-FORMATS = ["kivi2", "kivi4", "kivi4-g64", "kivi8", "kivi4-keys-by-token", "kivi4-values-by-channel", "int8-token",
-           "fp8-static", "fp8-dynamic"]
+FORMATS = ["kivi2", "kivi4", "kivi4-g64", "kivi8", "kivi4-keys-by-token", "kivi4-values-by-channel", "kivi4-policy",
+           "kivi4-swapped-policy", "int8-token", "fp8-static", "fp8-dynamic"]
 
 
 def layer_and_query(name: str, tokens: int, batch: int = 2, device: str = "cpu", seed: int = 0):
@@ -180,8 +184,9 @@ def test_layers_the_kernel_cannot_read_are_refused_by_name():
 
 
 QUANT_SPECS = {
-    "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 32, "residual": 5, "key_axis": "channel", "value_axis": "token"},
-    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 0, "key_axis": "channel", "value_axis": "token"},
+    "kivi4": {"kind": "quant", "scheme": "kivi", "bits": 4, "group": 32, "residual": 32, "key_axis": "channel", "value_axis": "token"},
+    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 0, "key_axis": "channel", "value_axis": "token",
+              "policy": "together"},
     "fp8": {"kind": "quant", "scheme": "fp8", "bits": 8, "group": 1, "scales": "dynamic", "key_axis": "token", "value_axis": "token"},
     "lmdeploy4": {"kind": "quant", "scheme": "lmdeploy", "bits": 4, "group": 32, "key_axis": "channel", "value_axis": "token"},
 }

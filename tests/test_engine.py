@@ -354,7 +354,7 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
     model, _ = tiny
     p = sample.prompt
     base = prefill(model, p.context)
-    kivi = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}
+    kivi = {"scheme": "kivi", "bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token"}
     cache = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))
     other = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))  # same content, another storage
     layer = next(x for x in Batch(model, [cache, cache, cache]).cache.layers if isinstance(x, Rows))
@@ -379,7 +379,7 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
 
 GRAPH_VARIANTS = {
     "full": ("full", {}),
-    "kivi4": ("quant", {"scheme": "kivi", "bits": 4, "group": 32, "residual": 8, "key_axis": "channel", "value_axis": "token"}),
+    "kivi4": ("quant", {"scheme": "kivi", "bits": 4, "group": 32, "residual": 32, "key_axis": "channel", "value_axis": "token"}),
     # residual 0: every step quantizes its token inside the captured graph
     "int8": ("quant", {"scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"}),
 }
@@ -507,7 +507,7 @@ def test_calibrated_layer_budgets_keep_more_where_the_weight_is_higher(tiny, sam
 
 VERIFY_METHODS = {
     "full": {"kind": "full"}, "snapkv": SNAP, "streaming": STREAM, "h2o": {"kind": "h2o", "recent": 0.5},
-    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 32, "residual": 8, "key_axis": "channel",
+    "kivi2": {"kind": "quant", "scheme": "kivi", "bits": 2, "group": 8, "residual": 8, "key_axis": "channel",
               "value_axis": "token"},
     "int8": {"kind": "quant", "scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel",
              "value_axis": "token"},

@@ -69,10 +69,10 @@ def test_lmdeploy_int4_stores_codes_and_one_scale_and_zero_per_token_and_head():
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, h, t, d, generator=g), torch.randn(1, h, t, d, generator=g)
     layer = kvcache.layer_from_dense(keys, values, kind_of(lmdeploy(4)).scheme.layer_spec(0, h, d))
-    assert layer.counts() == {"sink_tokens": 0, "quantized_tokens": t, "residual_tokens": 0}
+    assert layer.counts() == {"sink_tokens": 0, "quantized_keys": t, "quantized_values": t, "residual_keys": 0, "residual_values": 0}
     assert layer.nbytes() == 2 * (160 + 80)
     key, value = kind_of(lmdeploy(4)).layouts(d)
-    assert layouts.stored_layer_bytes(key, value, h, d, t, 0, 2) == 2 * (160 + 80)
+    assert layouts.stored_layer_bytes(key, value, h, d, (t, t), (0, 0), 2) == 2 * (160 + 80)
     # asymmetric min–max per (token, head): every entry within half a step of its input
     k, _ = layer.full()
     step = (keys.amax(-1, keepdim=True) - keys.amin(-1, keepdim=True)) / 15
@@ -93,5 +93,5 @@ def test_lmdeploy_int8_is_the_int8_scheme():
 def test_lmdeploy_rows_say_what_they_store(bits):
     v = Variant("lm", "quant", 1.0, {k: x for k, x in lmdeploy(bits).items() if k != "kind"})
     assert v.quantized and not v.evicts
-    assert v.storage == {"scheme": "lmdeploy", "bits": bits, "key_axis": None, "value_axis": None}
+    assert v.storage == {"scheme": "lmdeploy", "bits": bits, "key_axis": None, "value_axis": None, "policy": None}
     assert v.impl.scheme.residual == 0

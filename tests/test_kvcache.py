@@ -48,6 +48,7 @@ def kvquant_spec(bits=4, outliers=0.0, sink_tokens=0) -> kvcache.LayerSpec:
 
 SPECS = {
     "kivi4": lambda: kind_of(qspec("kivi")).scheme.layer_spec(0, H, D),
+    "kivi4_together": lambda: kind_of(qspec("kivi", policy="together")).scheme.layer_spec(0, H, D),
     "kivi2_swapped": lambda: kind_of(qspec("kivi", bits=2, key_axis="token", value_axis="channel")).scheme.layer_spec(0, H, D),
     "int8": lambda: kind_of(qspec("int8")).scheme.layer_spec(0, H, D),
     "lmdeploy4": lambda: kind_of(qspec("lmdeploy")).scheme.layer_spec(0, H, D),
@@ -57,6 +58,7 @@ SPECS = {
 }
 LAYOUTS = {
     "kivi4": kind_of(qspec("kivi")).layouts(D),
+    "kivi4_together": kind_of(qspec("kivi", policy="together")).layouts(D),
     "kivi2_swapped": kind_of(qspec("kivi", bits=2, key_axis="token", value_axis="channel")).layouts(D),
     "int8": kind_of(qspec("int8")).layouts(D),
     "lmdeploy4": kind_of(qspec("lmdeploy")).layouts(D),
@@ -104,27 +106,65 @@ def test_measured_bytes_equal_the_formula(name, t):
     layer = kvcache.layer_from_dense(keys, values, SPECS[name](), cos, sin)
     n = layer.counts()
     key, value = LAYOUTS[name]
-    dense = n["sink_tokens"] + n["residual_tokens"]
-    assert layer.nbytes() == layouts.stored_layer_bytes(key, value, H, D, n["quantized_tokens"], dense, 4)
-    assert sum(n.values()) == t == layer.get_seq_length()
+    dense = n["sink_tokens"] + n["residual_keys"], n["sink_tokens"] + n["residual_values"]
+    coded = n["quantized_keys"], n["quantized_values"]
+    assert layer.nbytes() == layouts.stored_layer_bytes(key, value, H, D, coded, dense, 4)
+    assert sum(coded) + sum(dense) == 2 * t == 2 * layer.get_seq_length()
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "int8", "lmdeploy"])
 def test_fp8_int8_and_lmdeploy_quantize_every_token_unless_given_a_residual(scheme):
     keys, values = random_kv(20)
     every = kvcache.layer_from_dense(keys, values, kind_of(qspec(scheme)).scheme.layer_spec(0, H, D))
-    assert every.counts() == {"sink_tokens": 0, "quantized_tokens": 20, "residual_tokens": 0}
+    assert every.counts() == counts(0, 20, 20, 0, 0)
     every.update(*random_kv(1, seed=1))
-    assert every.counts()["quantized_tokens"] == 21  # a decoded token is stored quantized at once
+    assert every.coded == (21, 21)  # a decoded token is stored quantized at once
     window = kvcache.layer_from_dense(keys, values, kind_of(qspec(scheme, residual=8)).scheme.layer_spec(0, H, D))
-    assert window.counts() == {"sink_tokens": 0, "quantized_tokens": 12, "residual_tokens": 8}
+    assert window.counts() == counts(0, 12, 12, 8, 8)
 
 
-def test_kivi_keeps_the_last_residual_tokens_exact_and_quantizes_whole_groups():
+def counts(sinks: int, coded_keys: int, coded_values: int, residual_keys: int, residual_values: int) -> dict:
+    return {"sink_tokens": sinks, "quantized_keys": coded_keys, "quantized_values": coded_values,
+            "residual_keys": residual_keys, "residual_values": residual_values}
+
+
+def test_kivi_streams_as_kivis_own_cache():
+    """KIVI's policy (jy-yuan/KIVI, models/llama_kivi.py): a prefill of T tokens stores T − T mod R keys and
+    T − R values as codes; then keys flush all R of their full-precision tokens at once when R are held, and
+    values quantize the oldest single one beyond R. After a 100-token prefill and 70 appends at R = 32, 0–31
+    keys and exactly 32 values are in full precision. The new token is always exact in the view."""
+    spec = kind_of(qspec("kivi", group=32, residual=32)).scheme.layer_spec(0, H, D)
+    keys, values = random_kv(170)
+    layer = kvcache.layer_from_dense(keys[..., :100, :], values[..., :100, :], spec)
+    assert layer.counts() == counts(0, 96, 68, 4, 32)
+    for t in range(100, 170):
+        out_k, out_v = layer.update(keys[..., t : t + 1, :], values[..., t : t + 1, :])
+        assert torch.equal(out_k[..., -1:, :], keys[..., t : t + 1, :]) and torch.equal(out_v[..., -1:, :], values[..., t : t + 1, :])
+        held = t + 1
+        assert layer.counts() == counts(0, held // 32 * 32, held - 32, held % 32, 32)
+    assert torch.equal(layer.values, values[..., -32:, :]) and torch.equal(layer.keys, keys[..., 160:, :])
+    # the split a prefill of all 170 gives: the same codes as streaming them
+    at_once = kvcache.layer_from_dense(keys, values, spec)
+    assert at_once.counts() == layer.counts()
+    for part in ("key", "value"):
+        for name, codes in at_once.stored[part].items():
+            assert torch.equal(layer.stored[part][name], codes), (part, name)
+
+
+def test_kivi_refuses_a_residual_its_keys_cannot_flush_in_whole_groups():
+    for residual in (0, 12):
+        with pytest.raises(ValueError, match=f"residual must be a positive multiple of group 8, got {residual}"):
+            kind_of(qspec("kivi", residual=residual)).scheme.layer_spec(0, H, D)
+        kind_of(qspec("kivi", residual=residual, policy="together")).scheme.layer_spec(0, H, D)  # its own rule
+
+
+def test_kivi_together_keeps_the_last_residual_tokens_exact_and_quantizes_whole_groups():
     keys, values = random_kv(8)
-    layer = kvcache.layer_from_dense(keys, values, SPECS["kivi4"]())
+    layer = kvcache.layer_from_dense(keys, values, SPECS["kivi4_together"]())
     for t in range(8, 60):
         n = layer.counts()
+        assert n["residual_keys"] == n["residual_values"] and n["quantized_keys"] == n["quantized_values"]
+        n = {"residual_tokens": n["residual_keys"], "quantized_tokens": n["quantized_keys"]}
         assert 8 <= n["residual_tokens"] < 16 and n["quantized_tokens"] % 8 == 0
         k, v = random_kv(1, seed=t)
         out_k, out_v = layer.update(k, v)
@@ -146,12 +186,11 @@ def test_dequantized_view_is_close_to_the_input(name):
 def test_two_bit_keys_with_an_outlier_channel_need_per_channel_groups():
     """The KIVI ablation in miniature: a channel 20x larger than the rest swamps per-token groups."""
     keys, values = random_kv(64)
-    err = {}
-    for axis in ("channel", "token"):
-        layer = kvcache.layer_from_dense(keys, values, kind_of(qspec("kivi", bits=2, key_axis=axis)).scheme.layer_spec(0, H, D))
-        k, _ = layer.full()
-        normal = [c for c in range(D) if c != 3]
-        err[axis] = float((k - keys)[..., normal].abs().mean())
+    layers = {axis: kvcache.layer_from_dense(keys, values, kind_of(qspec("kivi", bits=2, key_axis=axis)).scheme.layer_spec(0, H, D))
+              for axis in ("channel", "token")}
+    coded = min(layer.coded_keys for layer in layers.values())  # keys both store as codes (KIVI's policy: 64, 56)
+    normal = [c for c in range(D) if c != 3]
+    err = {axis: float((layer.full()[0] - keys)[..., :coded, normal].abs().mean()) for axis, layer in layers.items()}
     assert err["token"] > 3 * err["channel"]
 
 
@@ -205,8 +244,9 @@ def test_fp16_metadata_range_binds_affine_codes_only():
 def test_a_bad_decoded_token_is_refused_at_the_next_read():
     """A one-token append that quantizes nothing reads nothing (decoding does not wait for the GPU at every
     token): it only records on the device that its token was not finite; the next append that reads (the next
-    quantizing one) refuses it, and nothing of that call is stored."""
-    spec = SPECS["kivi4"]()
+    quantizing one) refuses it, and nothing of that call is stored. (Under KIVI's own policy nearly every step
+    quantizes a value, so it reads: see the next test.)"""
+    spec = SPECS["kivi4_together"]()
     layer = kvcache.QuantizedKVLayer(spec)
     keys, values = random_kv(spec.residual + spec.group)
     keys[0, 0, spec.residual, 3] = float("inf")  # the first decoded token: held until R + G tokens are
@@ -217,6 +257,20 @@ def test_a_bad_decoded_token_is_refused_at_the_next_read():
     with pytest.raises(ValueError, match="quantized cache layer keys: 1 NaN/Inf"):
         layer.append(keys[..., -1:, :], values[..., -1:, :])
     assert layer.quantized == 0 and layer.get_seq_length() == spec.residual + spec.group - 1
+
+
+def test_under_kivis_policy_a_bad_decoded_token_is_refused_by_the_step_that_quantizes_a_value():
+    """Once R values are held, every step quantizes the oldest one, so it reads its data: a NaN/Inf decoded token
+    is refused at its own append, and nothing of it is stored."""
+    spec = SPECS["kivi4"]()
+    layer = kvcache.QuantizedKVLayer(spec)
+    keys, values = random_kv(spec.residual + 1)
+    keys[0, 0, spec.residual, 3] = float("inf")
+    layer.update(keys[..., : spec.residual, :], values[..., : spec.residual, :])
+    assert layer.coded == (spec.residual, 0)
+    with pytest.raises(ValueError, match="quantized cache layer keys entering full precision .*: 1 NaN/Inf"):
+        layer.append(keys[..., -1:, :], values[..., -1:, :])
+    assert layer.coded == (spec.residual, 0) and layer.get_seq_length() == spec.residual
 
 
 @pytest.mark.parametrize("name", ["kivi4", "kvquant"])
@@ -239,7 +293,7 @@ def test_a_bad_prefill_token_kept_in_full_precision_is_refused_when_it_enters(na
 
 def test_a_short_prefill_that_quantizes_nothing_is_checked_too():
     spec = SPECS["kivi4"]()
-    keys, values = random_kv(spec.residual)
+    keys, values = random_kv(spec.residual - 1)  # R keys would be flushed at once under KIVI's policy
     keys[0, 0, 2, 1] = float("-inf")
     layer = kvcache.QuantizedKVLayer(spec)
     with pytest.raises(ValueError, match="keys entering full precision .*: 1 NaN/Inf"):
@@ -249,8 +303,9 @@ def test_a_short_prefill_that_quantizes_nothing_is_checked_too():
 
 def test_a_bad_decoded_value_survives_stacking_and_is_named():
     """The device flag of one-token appends travels with stack_layers (copies decoded as one batch), and the
-    refusal names the tensor that holds the NaN."""
-    spec = SPECS["kivi4"]()
+    refusal names the tensor that holds the NaN (the together policy, whose one-token appends read nothing
+    until a group flushes)."""
+    spec = SPECS["kivi4_together"]()
     keys, values = random_kv(spec.residual + spec.group)
     layers = []
     for poisoned in (False, True):
@@ -295,7 +350,7 @@ def test_fp8_dynamic_scale_floor_keeps_later_tokens_when_no_read_could_check():
     assert torch.allclose(back, x, rtol=2**-4)
 
 
-@pytest.mark.parametrize("name", ["kivi4", "int8"])
+@pytest.mark.parametrize("name", ["kivi4", "kivi4_together", "int8"])
 def test_an_append_reads_the_device_once_whatever_it_quantizes(name, monkeypatch):
     """The checks of what an append quantizes (finite keys and values, within fp16 metadata's range) read the
     data back once for both tensors: on a GPU each read is a wait that stops the host from queueing the next
@@ -310,10 +365,12 @@ def test_an_append_reads_the_device_once_whatever_it_quantizes(name, monkeypatch
     layer.update(keys[..., :8, :], values[..., :8, :])
     per_append = []  # (whether it quantized, reads)
     for t in range(8, 24):
-        before, quantized = len(reads), layer.quantized
+        before, coded = len(reads), layer.coded
         layer.append(keys[..., t : t + 1, :], values[..., t : t + 1, :])
-        per_append.append((layer.quantized > quantized, len(reads) - before))
-    assert sum(flushed for flushed, _ in per_append) == 16 // spec.group  # KIVI: a group of 8 at a time; INT8: every token
+        per_append.append((layer.coded != coded, len(reads) - before))
+    # KIVI's policy: every append quantizes the oldest value beyond R = 8; together: a group of 8 at a time;
+    # INT8: every token
+    assert sum(flushed for flushed, _ in per_append) == (16 if spec.policy == "kivi" else 16 // spec.group)
     assert {n for flushed, n in per_append if flushed} == {1}
     assert {n for flushed, n in per_append if not flushed} <= {0}
 
@@ -362,9 +419,12 @@ def test_composition_stores_codes_for_exactly_the_kept_tokens(tiny, sample):
     composed = compress(model, base, Variant("snap_kivi4", "quant", 0.5, {k: v for k, v in spec.items() if k != "kind"}))
     for dense, q in zip(evicted.layers, composed.layers):
         n = q.counts()
-        assert n["quantized_tokens"] + n["residual_tokens"] == dense.keys.shape[-2]
-        k, _ = q.full()
-        torch.testing.assert_close(k[..., -n["residual_tokens"]:, :], dense.keys[..., -n["residual_tokens"]:, :])
+        for part in ("keys", "values"):
+            assert n[f"quantized_{part}"] + n[f"residual_{part}"] == dense.keys.shape[-2]
+        k, v = q.full()
+        for got, kept, part in ((k, dense.keys, "keys"), (v, dense.values, "values")):
+            if n[f"residual_{part}"]:  # the newest kept tokens, exact
+                torch.testing.assert_close(got[..., -n[f"residual_{part}"]:, :], kept[..., -n[f"residual_{part}"]:, :])
 
 
 def test_batched_quantized_rows_decode_as_if_alone(tiny, sample):

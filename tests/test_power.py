@@ -21,7 +21,7 @@ def cell(method, shape, budget, scores, full=None, mode="aware", fraction=None, 
     prompts = prompts or [f"{shape}-{i}" for i in range(len(scores))]
     base = {"model": "m", "shape": shape, "task": shape, "context_tokens": 512, "question_mode": mode,
             "method": method, "method_kind": "kvpress", "press": None, "wrapper": None, "scheme": None, "bits": None,
-            "key_axis": None, "value_axis": None, "budget": budget, "turn": 1, "kl_vs_full": None,
+            "key_axis": None, "value_axis": None, "policy": None, "budget": budget, "turn": 1, "kl_vs_full": None,
             "kv_fraction_bf16": fraction if fraction is not None else budget}
     return [{**base, "sample_id": f"{shape}-{i}", "prompt_sha1": p, "score": s, "full_score": f}
             for i, (s, f, p) in enumerate(zip(scores, full, prompts))]

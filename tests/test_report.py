@@ -133,7 +133,7 @@ def kl_rows(**kl) -> pd.DataFrame:
     rows = []
     for method, (scheme, bits, key_axis, value) in kl.items():
         rows.append({"model": "m", "method": method, "scheme": scheme, "bits": bits, "key_axis": key_axis,
-                     "value_axis": "token", "budget": 1.0, "context_tokens": 512, "kl_mean_nats": value,
+                     "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "kl_mean_nats": value,
                      "compression_vs_bf16": 2.9, "codes_vs_bf16": 3.2})
     return pd.DataFrame(rows)
 
@@ -143,13 +143,13 @@ def answers(kl: pd.DataFrame, delta: float | None, n: int = 40) -> pd.DataFrame:
     bounds have width); with `delta`, 4-bit KIVI's answers on 2,000 prompts of two tasks, `delta` points from
     the full cache's (90% right) on the same prompts."""
     rows = [{"model": "m", "method": r.method, "scheme": r.scheme, "bits": r.bits, "key_axis": r.key_axis,
-             "value_axis": "token", "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
+             "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
              "turn": 1, "score": None, "full_score": None, "kl_vs_full": r.kl_mean_nats * (0.9 + 0.2 * i / (n - 1))}
             for r in kl.itertuples() for i in range(n)]
     if delta is not None:
         m, lost = 2000, round(-delta / 100 * 2000)
         rows += [{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
-                  "value_axis": "token", "budget": 1.0, "context_tokens": 512, "task": "ab"[i % 2], "sample_id": f"t{i}",
+                  "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "task": "ab"[i % 2], "sample_id": f"t{i}",
                   "turn": 1, "score": 0.0 if i < lost else float(i < 0.9 * m), "full_score": float(i < 0.9 * m),
                   "kl_vs_full": None} for i in range(m)]
     return pd.DataFrame(rows)
@@ -158,7 +158,7 @@ def answers(kl: pd.DataFrame, delta: float | None, n: int = 40) -> pd.DataFrame:
 def test_pooled_accuracy_compares_methods_on_common_tasks():
     rows = [("x", "a", 10, 10), ("x", "b", 0, 10), ("y", "a", 5, 10)]
     by_task = pd.DataFrame([{"model": "m", "method": m, "scheme": "kivi", "bits": 2, "key_axis": "channel",
-                             "value_axis": "token", "budget": 1.0, "task": t, "correct": c, "full_correct": 10,
+                             "value_axis": "token", "policy": "kivi", "budget": 1.0, "task": t, "correct": c, "full_correct": 10,
                              "rows": n} for m, t, c, n in rows])
     alone = pooled(by_task).set_index("method")
     assert alone.loc["x", "accuracy"] == 0.5 and alone.loc["x", "tasks"] == "a, b"

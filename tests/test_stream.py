@@ -16,8 +16,11 @@ from test_kvcache import SPECS, qspec, random_kv, rope_tables
 
 STREAM_SPECS = {
     **SPECS,
-    "kivi4_r4_g8": lambda: kind_of(qspec("kivi", residual=4, group=8)).scheme.layer_spec(0, 2, 16),
-    "kivi2_r0_g8": lambda: kind_of(qspec("kivi", bits=2, residual=0, group=8)).scheme.layer_spec(0, 2, 16),
+    "kivi4_r16_g8": lambda: kind_of(qspec("kivi", residual=16, group=8)).scheme.layer_spec(0, 2, 16),
+    "kivi2_swapped_r16_g8": lambda: kind_of(qspec("kivi", bits=2, residual=16, group=8, key_axis="token",
+                                                  value_axis="channel")).scheme.layer_spec(0, 2, 16),
+    "kivi4_together_r4_g8": lambda: kind_of(qspec("kivi", residual=4, group=8, policy="together")).scheme.layer_spec(0, 2, 16),
+    "kivi2_together_r0_g8": lambda: kind_of(qspec("kivi", bits=2, residual=0, group=8, policy="together")).scheme.layer_spec(0, 2, 16),
 }
 
 
@@ -57,22 +60,45 @@ def test_one_pass_reads_each_token_as_its_own_step_would(name, prefilled, n):
 def test_visibility_of_a_per_token_scheme_is_the_quantized_past_and_the_own_token():
     """INT8 (residual 0, every token quantized on entry): query i sees tokens < i quantized, itself in full."""
     layer = kvcache.layer_from_dense(*random_kv(5), STREAM_SPECS["int8"]())
-    allowed = stream.visibility(layer, 3, "cpu")  # 5 codes | 3 new (full precision) | 3 quantized copies
+    allowed = stream.visibility(layer, 3, "cpu")  # 5 codes | 3 new (full precision) | 2 quantized copies
     assert allowed.tolist() == [
-        [True] * 5 + [True, False, False] + [False, False, False],
-        [True] * 5 + [False, True, False] + [True, False, False],
-        [True] * 5 + [False, False, True] + [True, True, False],
+        [True] * 5 + [True, False, False] + [False, False],
+        [True] * 5 + [False, True, False] + [True, False],
+        [True] * 5 + [False, False, True] + [True, True],
     ]
 
 
+def test_visibility_under_kivis_policy_reads_each_key_and_value_as_its_step_would():
+    """KIVI's policy at R = G = 8 after a 12-token prefill: keys 0–7 in codes, 8–11 in full precision; values 0–3
+    in codes, 4–11 in full precision. Feeding tokens 12…16, step i quantizes the value of token 4 + i, and step 3,
+    which brings the 8th full-precision key (token 15), flushes keys 8–15. So a token is read in one of three
+    ways: key and value exact, key dequantized only (tokens 4–7 until their values go; 8–15 at step 4), or both
+    dequantized; every query reads every token it has once."""
+    layer = kvcache.layer_from_dense(*random_kv(12), kind_of(qspec("kivi", residual=8, group=8)).scheme.layer_spec(0, 2, 16))
+    assert layer.coded == (8, 4)
+    fixed, ways = stream._layout(layer, 5)
+    assert fixed == 4  # tokens 0–3: key and value in codes before the first step
+    tokens = {(dk, dv): (t + fixed).tolist() for dk, dv, t, _ in ways}
+    seen = {(dk, dv): s.tolist() for dk, dv, _, s in ways}
+    assert tokens == {(False, False): list(range(8, 17)), (True, False): list(range(4, 16)), (True, True): [4, 5, 6, 7]}
+    F, T = False, True
+    assert seen[(T, T)] == [[F, F, F, F], [T, F, F, F], [T, T, F, F], [T, T, T, F], [T, T, T, T]]
+    assert seen[(T, F)][0] == [T] * 4 + [F] * 8 and seen[(T, F)][4] == [F] * 4 + [T] * 8
+    assert seen[(F, F)][3] == [T] * 8 + [F] and seen[(F, F)][4] == [F] * 8 + [T]
+    allowed = stream.visibility(layer, 5, "cpu")
+    assert allowed[:, :fixed].all() and allowed.sum(1).tolist() == [13 + i for i in range(5)]
+
+
 def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
-    """Through the engine: quantized rows (KIVI with flushes inside the path, INT8, FP8, SnapKV + KIVI; KVQuant,
+    """Through the engine: quantized rows (KIVI under both policies with flushes inside the path, INT8, FP8,
+    SnapKV + KIVI; KVQuant,
     which needs a calibration, is checked layer by layer above) and dense rows teacher-forced in one pass give the log-probabilities and greedy choices of
     feeding the path one token at a time."""
     methods = {
         "full": {"kind": "full"},
-        "kivi4": qspec("kivi", residual=4, group=8), "int8": qspec("int8"), "fp8": qspec("fp8"),
-        "snap_kivi2": {**qspec("kivi", bits=2, residual=4, group=8), "press": "SnapKVPress", "kwargs": {"window_size": 16}},
+        "kivi4": qspec("kivi", residual=8, group=8), "kivi4_together": qspec("kivi", residual=4, group=8, policy="together"),
+        "int8": qspec("int8"), "fp8": qspec("fp8"),
+        "snap_kivi2": {**qspec("kivi", bits=2, residual=8, group=8), "press": "SnapKVPress", "kwargs": {"window_size": 16}},
     }
     (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tiny[1], 500)
     base = prefill(sharp, sample.prompt.context)
@@ -96,10 +122,9 @@ def test_codes_decoded_once_equal_decoding_them_all(name):
     layer = kvcache.layer_from_dense(keys[..., :20, :], values[..., :20, :], spec, *((cos[:, :20], sin[:, :20]) if spec.rope else ()))
     for t in range(20, 70):
         layer.update(keys[..., t : t + 1, :], values[..., t : t + 1, :], kw(t, t + 1))
-    k, v = layer._dequantized()
-    n, lo = layer.quantized, spec.sink_tokens
-    shape = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
-    tables = (layer.cos[:, lo : lo + n], layer.sin[:, lo : lo + n]) if spec.rope else (None, None)
-    k0 = spec.key.decode(layer.stored["key"], shape, *tables).to(layer.dtype)  # every code at once, as stored
-    v0 = spec.value.decode(layer.stored["value"], shape, *tables).to(layer.dtype)
-    assert n > 20 and torch.equal(k, k0) and torch.equal(v, v0)
+    lo = spec.sink_tokens
+    for got, part, codec, n in zip(layer._dequantized(), ("key", "value"), (spec.key, spec.value), layer.coded):
+        shape = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
+        tables = (layer.cos[:, lo : lo + n], layer.sin[:, lo : lo + n]) if spec.rope else (None, None)
+        every = codec.decode(layer.stored[part], shape, *tables).to(layer.dtype)  # every code at once, as stored
+        assert n > 20 and torch.equal(got, every), part

@@ -56,12 +56,13 @@ def article_cost_table() -> list[dict]:
         (LLAMA_31_70B, "int4-g32-r128", "12.5 GB + 40 MB", None,
          "102,400 B/token = 81,920 B codes + 20,480 B group metadata (3.2x vs BF16). The article "
          "quantizes all 131,072 tokens and adds the 128-token BF16 residual on top (article_view = "
-         "12.5 GiB + 40 MiB); total_bytes counts the residual once - the newest 128 tokens are held in "
-         "BF16 instead of quantized - which is 13,107,200 B (12.5 MiB) less."),
+         "12.5 GiB + 40 MiB); total_bytes is what KIVI's cache holds: at 131,072 tokens (a multiple of R) "
+         "every key is quantized and the newest 128 values are held in BF16 instead of quantized, "
+         "27,525,120 B (26.25 MiB) less."),
         (LLAMA_31_70B, "int4-g32-r128+keep0.25", "≈3.1 GB", None,
          "SnapKV 25%: 32,768 of 131,072 tokens kept; the quantized part is one quarter of the "
          "article's 12.5 GiB = 3.125 GiB, most likely what '≈3.1 GB' rounds (without the 40 MiB "
-         "residual; with it, article_view = 3.16 GiB). Physical total (residual counted once): 3.15 GiB."),
+         "residual; with it, article_view = 3.16 GiB). Physical total (KIVI's cache: 128 values in BF16): 3.14 GiB."),
         (DEEPSEEK_V3_MLA, "bf16", "8.8 GB", "70 KB/token",
          "61 layers x 576-element latent x 2 B = 70,272 B/token (68.63 KiB, 70.3 decimal kB); exact "
          "128K total 9,210,691,584 B = 8.58 GiB (9.21 decimal GB). The printed 8.8 GB is a rounding "

@@ -49,8 +49,8 @@ COLUMNS = ["format", "head_dim", "query_dtype", "arch", "triton", "block_t", "nu
            "per_token_other"]
 _TRITON_TYPES = {torch.uint8: "u8", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                  torch.float8_e4m3fn: "fp8e4nv"}
-_ARGS = ("q_ptr", "o_ptr", "lse_ptr", "kc", "ks", "kz", "vc", "vs", "vz", "dk", "dv", "H", "T", "ND", "REP", "SPLITS",
-         "TILES_PER_SPLIT", "scaling")
+_ARGS = ("q_ptr", "o_ptr", "lse_ptr", "kc", "ks", "kz", "vc", "vs", "vz", "dk", "dv", "H", "T", "TK", "TV", "ND", "REP",
+         "SPLITS", "TILES_PER_SPLIT", "scaling")
 
 
 def compile_variant(fmt: str, head_dim: int, query_dtype: torch.dtype = torch.bfloat16, arch: int = 90,
@@ -78,7 +78,7 @@ def compile_variant(fmt: str, head_dim: int, query_dtype: torch.dtype = torch.bf
     options = {"num_warps": meta.pop("num_warps"), "num_stages": meta.pop("num_stages")}
     ptr_types = [_TRITON_TYPES[pointers[0].dtype], "fp32", "fp32", *(_TRITON_TYPES[x.dtype] for x in pointers[1:])]
     signature = {name: "*" + t for name, t in zip(_ARGS[:11], ptr_types)}
-    signature |= {name: "i32" for name in _ARGS[11:17]} | {"scaling": "fp32"} | {name: "constexpr" for name in meta}
+    signature |= {name: "i32" for name in _ARGS[11:19]} | {"scaling": "fp32"} | {name: "constexpr" for name in meta}
     names = triton_decode._decode_kernel.arg_names
     # What the launcher specializes on for real tensors: 16-byte aligned pointers (sizes are not specialized on).
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ARGS[:11]}

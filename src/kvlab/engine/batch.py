@@ -131,7 +131,7 @@ class Rows(DynamicLayer):
                 row.append(k, v)
                 # The new token's query sees the codes, and every other token in full precision: the row itself
                 # when the append only grew its residual (no copy of it), else the row as it was, plus the token.
-                steps.append((row, None, None) if row.quantized == before.quantized else (before, k, v))
+                steps.append((row, None, None) if row.coded == before.coded else (before, k, v))
             key_states = key_states.view_as(key_states)
             key_states.fused = steps
             return key_states, value_states

@@ -96,11 +96,12 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         if isinstance(layer, kvcache.QuantizedKVLayer):
             n = layer.counts()
             key, value = variant.impl.layouts(d)
-            dense_tokens = n["sink_tokens"] + n["residual_tokens"]
-            formula += layouts.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, layer.keys.element_size())
-            stored_bf16 += layouts.stored_layer_bytes(key, value, heads, d, n["quantized_tokens"], dense_tokens, 2)
+            coded = n["quantized_keys"], n["quantized_values"]
+            dense_tokens = n["sink_tokens"] + n["residual_keys"], n["sink_tokens"] + n["residual_values"]
+            formula += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, layer.keys.element_size())
+            stored_bf16 += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, 2)
             code_bytes += measured - dense * layer.keys.element_size() - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size())
-            code_tokens_bf16 += n["quantized_tokens"] * token_bf16
+            code_tokens_bf16 += sum(coded) * token_bf16 // 2  # half of a token's K and V per coded key or value
         elif quantized is not None:  # transformers' QuantizedCache layer: measured only
             formula = float("nan")
             stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2

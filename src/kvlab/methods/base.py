@@ -17,7 +17,7 @@ from typing import ClassVar
 
 # (key under the method entry, what is wrong and what would be right): config validation adds the file and path
 Problem = tuple[str, str] | None
-NO_STORAGE = {"scheme": None, "bits": None, "key_axis": None, "value_axis": None}
+NO_STORAGE = {"scheme": None, "bits": None, "key_axis": None, "value_axis": None, "policy": None}
 
 
 class MethodKind:

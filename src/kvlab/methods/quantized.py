@@ -27,6 +27,9 @@ class Quant(MethodKind):
         return True
 
     def problem(self):
+        if "policy" in self.params and self.scheme.name != "kivi":
+            return "policy", (f"policy applies to scheme kivi only; scheme {self.scheme.name} quantizes by its own "
+                              "fixed rule: remove policy")
         return self.scheme.problem() or super().problem()
 
     def needs_calibration(self) -> bool:
@@ -85,7 +88,7 @@ class HFQuantized(MethodKind):
 
     @property
     def storage(self) -> dict:
-        return {"scheme": "hf_quanto", "bits": self.params["bits"], "key_axis": "token", "value_axis": "token"}
+        return {"scheme": "hf_quanto", "bits": self.params["bits"], "key_axis": "token", "value_axis": "token", "policy": None}
 
     def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
         from kvlab.kernels import kvcache

@@ -28,7 +28,7 @@ class Rule:
 
 
 NO_REFERENCE = "not judged (the full cache scores 0%)"
-DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "value_axis"]
+DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "value_axis", "policy"]
 
 
 def judge(rows: pd.DataFrame, rule: Rule) -> dict:
@@ -154,7 +154,7 @@ def outcomes(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
 # eviction; FP8 + SnapKV 25% = FP8 storage of what SnapKV keeps at budget 0.25; eviction = any method that
 # keeps a fraction of the context.
 def _int4(d):
-    return (d["scheme"] == "kivi") & (d["bits"] == 4) & (d["key_axis"] == "channel") & (d["budget"] == 1)
+    return (d["scheme"] == "kivi") & (d["bits"] == 4) & (d["key_axis"] == "channel") & (d["policy"] == "kivi") & (d["budget"] == 1)
 
 
 def _fp8_snapkv25(d):

@@ -62,13 +62,13 @@ reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
 SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
-       key_axis, value_axis, press_kwargs, budget, depth, sample_id, prompt_sha1, turn, score, full_score,
+       key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn, score, full_score,
        1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
 UNION ALL BY NAME
 SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
-       key_axis, value_axis, press_kwargs, budget, depth, sample_id, prompt_sha1, turn,
+       key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn,
        1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full
 FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
@@ -116,7 +116,7 @@ WITH paired AS (
       ON f.method_kind = 'full' AND e.model = f.model AND e.sample_id = f.sample_id
      AND e.question_mode = f.question_mode AND e.turn = f.turn
 )
-SELECT model, method, scheme, bits, key_axis, value_axis, budget, context_tokens,
+SELECT model, method, scheme, bits, key_axis, value_axis, policy, budget, context_tokens,
        avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl - full_ppl) AS delta_ppl,
        avg(compression_vs_bf16) AS compression_vs_bf16, avg(codes_vs_bf16) AS codes_vs_bf16, count(*) AS samples
 FROM paired
@@ -131,7 +131,7 @@ WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT model, method, scheme, bits, key_axis, value_axis, budget, task,
+SELECT model, method, scheme, bits, key_axis, value_axis, policy, budget, task,
        sum(score) AS correct, sum(full_score) AS full_correct, count(*) AS rows
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE scheme IS NOT NULL

@@ -8,7 +8,7 @@ import pandas as pd
 
 from kvlab.report.stats import mean_bounds, per_sample, wilson
 
-STORAGE = ["model", "method", "scheme", "bits", "key_axis", "value_axis", "budget"]
+STORAGE = ["model", "method", "scheme", "bits", "key_axis", "value_axis", "policy", "budget"]
 
 
 def where(frame: pd.DataFrame, **equal) -> pd.DataFrame:

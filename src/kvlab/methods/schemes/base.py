@@ -50,7 +50,7 @@ class QuantScheme(ABC):
     @property
     def storage(self) -> dict:
         key_axis, value_axis = self.axes
-        return {"scheme": self.name, "bits": self.bits, "key_axis": key_axis, "value_axis": value_axis}
+        return {"scheme": self.name, "bits": self.bits, "key_axis": key_axis, "value_axis": value_axis, "policy": None}
 
     def problem(self) -> Problem:
         """A problem of the entry the schema cannot express (key under the method, message), or None."""

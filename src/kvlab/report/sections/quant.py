@@ -15,11 +15,15 @@ CLAIMS = [3, 4, 5, 10]
 
 
 def _series(frame: pd.DataFrame) -> pd.Series:
-    """A label per storage layout: the scheme, with KIVI's axes when they are not KIVI's own."""
+    """A label per storage layout: the scheme, with KIVI's axes when they are not KIVI's own, and its streaming
+    policy when it is not KIVI's."""
     def label(r) -> str:
+        text = str(r.scheme)
         if r.scheme == "kivi" and (r.key_axis, r.value_axis) != ("channel", "token"):
-            return f"kivi (keys per {r.key_axis}, values per {r.value_axis})"
-        return str(r.scheme)
+            text += f" (keys per {r.key_axis}, values per {r.value_axis})"
+        if r.scheme == "kivi" and r.policy != "kivi":
+            text += f", policy {r.policy}"
+        return text
     return frame.apply(label, axis=1)
 
 
@@ -53,15 +57,26 @@ def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
 def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
     """The article's KIVI table shape: 2-bit KIVI by key axis × value axis, KL per prefix and accuracy on the
     tasks all four ran on."""
-    two = kl[(kl["scheme"] == "kivi") & (kl["bits"] == 2) & (kl["budget"] == 1)]
+    two = kl[(kl["scheme"] == "kivi") & (kl["bits"] == 2) & (kl["policy"] == "kivi") & (kl["budget"] == 1)]
     if two.empty:
         return pd.DataFrame()
     out = two.pivot_table(index=["model", "key_axis", "value_axis"], columns="context_tokens", values="kl_mean_nats")
     out.columns = [f"KL @ {c} tokens" for c in out.columns]
-    a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["budget"] == 1)], common_tasks=True)
+    a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["policy"] == "kivi")
+                       & (by_task["budget"] == 1)], common_tasks=True)
     a = with_wilson(a).set_index(["model", "key_axis", "value_axis"])[
         ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "delta_points", "rows", "tasks"]]
     return out.join(a).reset_index().rename(columns={"key_axis": "keys per", "value_axis": "values per"})
+
+
+def policy_table(kl: pd.DataFrame) -> pd.DataFrame:
+    """KIVI's own streaming policy beside kvlab's earlier one (`together`), same bits, axes, G and R: mean KL per
+    prefix with its bounds, and what each stores, for every pair measured."""
+    kivi = kl[(kl["scheme"] == "kivi") & (kl["budget"] == 1)]
+    on = ["model", "bits", "key_axis", "value_axis", "context_tokens"]
+    pairs = where(kivi, policy="kivi").merge(where(kivi, policy="together"), on=on, suffixes=("", "_together"))
+    columns = ["method", "kl_mean_nats", "kl_low", "kl_high", "samples", "compression_vs_bf16"]
+    return pairs[on + columns + [f"{c}_together" for c in columns]]
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
@@ -69,7 +84,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     if kl.empty and by_task.empty:
         return "<p>No quantized cache was configured in this run.</p>"
     hf = where(kl, scheme="hf_quanto", budget=1.0)
-    ours = where(kl, scheme="kivi", key_axis="channel", value_axis="token", budget=1.0)
+    ours = where(kl, scheme="kivi", key_axis="channel", value_axis="token", policy="kivi", budget=1.0)
     versus = ours.merge(hf, on=["model", "bits", "context_tokens"], suffixes=("", "_hf"))
     baseline = ""
     if not versus.empty:
@@ -77,10 +92,13 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
             ["model", "bits", "context_tokens", "method", "kl_mean_nats", "method_hf", "kl_mean_nats_hf", "times_lower"]]
         baseline = "<h3>Against transformers' QuantizedCache (same bits, G and R)</h3>" + table(versus)
     ablation = ablation_table(kl, by_task)
+    policies = policy_table(kl)
     return (
         "<p>Packed codes inside generation: prefill attention is exact, then each full-attention layer keeps "
-        "codes + metadata + a full-precision residual (KIVI: the newest R tokens; a key group is quantized once, "
-        "when its G tokens are complete). FP8 and INT8 keep no residual unless one is configured: every token, "
+        "codes + metadata + a full-precision residual. KIVI streams as its own code does: keys are quantized R "
+        "at a time once R are held in full precision (0 to R − 1 stay), values one at a time beyond the newest R "
+        "(R stay); `policy: together`, kvlab's earlier policy, moves keys and values together in whole groups "
+        "of G beyond the newest R (R to R + G − 1 of each stay, so more full precision). FP8 and INT8 keep no residual unless one is configured: every token, "
         "decoded ones included, is stored quantized, as a deployed FP8 cache does. The continuation of real prose is fed one token at a "
         "time, so every token attends to the cache as it is stored. Sliding-window layers (Gemma 3) are never "
         "quantized.</p>"
@@ -88,6 +106,9 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
         + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
+        + ("<h3>KIVI's streaming policy against kvlab's earlier one</h3><p class='note'>The same codes, G and R; "
+           "only which recent tokens stay in full precision differs (columns _together: policy together). KL "
+           "bounds as above.</p>" + table(policies) if not policies.empty else "")
         + baseline + "<h3>Accuracy on the scored tasks</h3><p class='note'>All answers of the tasks each method ran "
         "on, pooled (a method limited by its `tasks` list is scored on those only), with the Wilson 95% interval "
         "over the answers.</p>" + table(with_wilson(pooled(by_task)))

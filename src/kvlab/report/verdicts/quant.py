@@ -36,8 +36,8 @@ def c3(q: dict, t) -> list[tuple[str, str, str]]:
 def c4(q: dict, t) -> list[tuple[str, str, str]]:
     """2-bit KIVI: keys per channel at most `t.holds_kl`, keys per token at least `t.collapse_kl` (bounds)."""
     prose = _prose(q)
-    chan = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="channel", value_axis="token"), t)
-    tok = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="token", value_axis="token"), t)
+    chan = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="channel", value_axis="token", policy="kivi"), t)
+    tok = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="token", value_axis="token", policy="kivi"), t)
     if not chan or not tok:
         return [("", "not measured", "needs 2-bit kivi with key_axis channel and token")]
     verdict = all_of([at_most(b, t.holds_kl) for *_, b in chan] + [at_least(b, t.collapse_kl) for *_, b in tok])
@@ -48,7 +48,7 @@ def c5(q: dict, t) -> list[tuple[str, str, str]]:
     """4-bit KIVI's accuracy, all its answers pooled, within `t.points` of the full cache's on the same prompts:
     holds when both bounds of the drop lie within ± points, does not hold when one bound lies beyond."""
     a = q["answers"]
-    int4 = where(a[a["score"].notna() & (a["budget"] == 1)], scheme="kivi", bits=4, key_axis="channel", value_axis="token")
+    int4 = where(a[a["score"].notna() & (a["budget"] == 1)], scheme="kivi", bits=4, key_axis="channel", value_axis="token", policy="kivi")
     if int4.empty:
         return [("", "not measured", "no 4-bit kivi method scored on tasks")]
     method = sorted(int4["method"].unique())[0]
@@ -67,7 +67,7 @@ def c5(q: dict, t) -> list[tuple[str, str, str]]:
 def c10(q: dict, t) -> list[tuple[str, str, str]]:
     """4-bit KIVI's codes + metadata give `t.ratio` (± `t.slack`) over bf16: bytes counted, not sampled."""
     kl = q["quant_kl"]
-    int4 = where(kl[kl["budget"] == 1], scheme="kivi", bits=4, key_axis="channel", value_axis="token")
+    int4 = where(kl[kl["budget"] == 1], scheme="kivi", bits=4, key_axis="channel", value_axis="token", policy="kivi")
     if int4.empty:
         return [("", "not measured", "no 4-bit kivi method on prose")]
     r = int4.iloc[0]
