@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
-from kvlab.kernels.layouts import POLICIES, TensorCodes, ceil_div, coded_tokens, stored_layer_bytes
+from kvlab.kernels.layouts import POLICIES, TensorCodes, ceil_div, coded_tokens, kivi_residual_problem, stored_layer_bytes
 
 BF16_BYTES = 2
 """Bytes per element of a BF16 (full-precision) cache entry."""
@@ -205,9 +205,9 @@ class Scheme:
             raise ValueError(f"{self.name}: metadata sizes must be >= 0")
         if self.policy not in POLICIES:
             raise ValueError(f"{self.name}: policy must be one of {', '.join(POLICIES)}")
-        if self.group is not None and self.residual and self.policy == "kivi" and self.residual % self.group:
-            raise ValueError(f"{self.name}: KIVI's policy quantizes keys residual tokens at a time, in whole groups: "
-                             f"residual must be a multiple of group {self.group} (or use '-together')")
+        if (self.group is not None and self.residual and self.policy == "kivi"  # residual 0: every token quantized
+                and (problem := kivi_residual_problem(self.residual, self.group))):
+            raise ValueError(f"{self.name}: {problem} (or use '-together')")
 
     @classmethod
     def bf16(cls) -> Scheme:

@@ -65,9 +65,9 @@ class LayerSpec:
     def __post_init__(self):
         if self.policy not in layouts.POLICIES:
             raise ValueError(f"quantized cache policy must be one of {', '.join(layouts.POLICIES)}, got {self.policy!r}")
-        if self.policy == "kivi":
-            for codec in (self.key, self.value):  # the rule's own check: R in whole groups of a per-channel codec
-                layouts.coded_tokens("kivi", _per_channel(codec), 0, self.residual, _unit(codec))
+        for codec in (self.key, self.value):
+            if self.policy == "kivi" and _per_channel(codec) and (problem := layouts.kivi_residual_problem(self.residual, codec.group)):
+                raise ValueError(problem)
 
     def coded(self, part: str, full_precision: int) -> int:
         """Of `full_precision` tokens of `part` (key, value) beyond the sinks, how many are quantized now."""

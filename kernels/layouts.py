@@ -49,6 +49,14 @@ POLICIES = ("kivi", "together")
 """How a quantized layer streams tokens into codes (:func:`coded_tokens`)."""
 
 
+def kivi_residual_problem(residual: int, group: int) -> str | None:
+    """Why KIVI's policy cannot flush per-channel codes in groups of `group` tokens with this residual, or None."""
+    if residual <= 0 or residual % group:
+        return (f"policy kivi quantizes per-channel codes R tokens at a time, in whole groups: residual must be a "
+                f"positive multiple of group {group}, got {residual}")
+    return None
+
+
 def coded_tokens(policy: str, per_channel: bool, held: int, residual: int, group: int) -> int:
     """Of ``held`` tokens of one tensor not in sinks (codes and full precision together), how many a layer
     stores as codes; the rest are its newest, in full precision.
@@ -65,9 +73,8 @@ def coded_tokens(policy: str, per_channel: bool, held: int, residual: int, group
     if policy != "kivi":
         raise ValueError(f"quantized cache policy must be one of {', '.join(POLICIES)}, got {policy!r}")
     if per_channel:
-        if residual <= 0 or residual % group:
-            raise ValueError(f"KIVI's policy flushes per-channel codes R tokens at a time, in whole groups: residual "
-                             f"must be a positive multiple of group {group}, got {residual}")
+        if problem := kivi_residual_problem(residual, group):
+            raise ValueError(problem)
         return held // residual * residual
     return max(0, held - residual)
 

@@ -102,7 +102,7 @@ def stream_update(layer: QuantizedKVLayer, key_states: torch.Tensor, value_state
     layer.append(key_states, value_states, cache_kwargs)
     if len(ways) == 1 and not any(ways[0][:2]) and ways[0][2].numel() == keys.shape[-2] - fixed:
         return keys, values  # nothing read dequantized beyond the leading entries: the view as it was
-    after = layer.full() if any(dk or dv for dk, dv, *_ in ways) else (keys, values)
+    after = layer.full()
     parts_k, parts_v = [keys[..., :fixed, :]], [values[..., :fixed, :]]
     for dk, dv, tokens, _ in ways:
         index = (tokens + fixed).to(keys.device)

@@ -75,7 +75,7 @@ def test_kivi_policy_formula_against_the_issues_hand_count():
 
 
 def test_kivi_policy_needs_a_residual_in_whole_groups():
-    with pytest.raises(ValueError, match="residual must be a multiple of group 32"):
+    with pytest.raises(ValueError, match="residual must be a positive multiple of group 32, got 48"):
         Scheme.parse("int4-g32-r48")
     assert Scheme.parse("int4-g32-r48-together").residual == 48
 

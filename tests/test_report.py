@@ -143,7 +143,7 @@ def answers(kl: pd.DataFrame, delta: float | None, n: int = 40) -> pd.DataFrame:
     bounds have width); with `delta`, 4-bit KIVI's answers on 2,000 prompts of two tasks, `delta` points from
     the full cache's (90% right) on the same prompts."""
     rows = [{"model": "m", "method": r.method, "scheme": r.scheme, "bits": r.bits, "key_axis": r.key_axis,
-             "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
+             "value_axis": "token", "policy": r.policy, "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
              "turn": 1, "score": None, "full_score": None, "kl_vs_full": r.kl_mean_nats * (0.9 + 0.2 * i / (n - 1))}
             for r in kl.itertuples() for i in range(n)]
     if delta is not None:
@@ -206,6 +206,23 @@ def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
     kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi4=("kivi", 4, "channel", 0.004),
                  kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
     assert verdicts(kl, -0.5) == {"C3": "holds", "C4": "holds", "C5": "holds", "C10": "holds"}
+
+
+def test_kivi_policy_rows_pair_in_their_table_and_stay_out_of_the_claims():
+    """A together-policy row (kvlab's earlier streaming) whose KL would break C4 leaves the verdicts as KIVI's own
+    rows give them, and the policy table pairs it with the KIVI-policy row of the same bits and axes, bounds and
+    samples beside each."""
+    from kvlab.report.sections.quant import policy_table
+
+    kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi4=("kivi", 4, "channel", 0.004),
+                 kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
+    together = kl_rows(kivi2_together=("kivi", 2, "channel", 9.0)).assign(policy="together")
+    both = pd.concat([kl, together], ignore_index=True)
+    assert verdicts(both, -0.5) == {"C3": "holds", "C4": "holds", "C5": "holds", "C10": "holds"}
+    bounded = both.assign(kl_low=both["kl_mean_nats"] * 0.9, kl_high=both["kl_mean_nats"] * 1.1, samples=40)
+    (pair,) = policy_table(bounded).to_dict("records")
+    assert (pair["method"], pair["method_together"], pair["bits"], pair["key_axis"]) == ("kivi2", "kivi2_together", 2, "channel")
+    assert (pair["kl_mean_nats"], pair["kl_high_together"], pair["samples_together"]) == (0.1, pytest.approx(9.9), 40)
 
 
 def test_quant_verdicts_fail_where_the_numbers_contradict_the_claims():

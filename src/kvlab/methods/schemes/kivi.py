@@ -8,7 +8,7 @@ groups beyond the newest R (R to R + G − 1 stay)."""
 
 from __future__ import annotations
 
-from kvlab.kernels.layouts import TensorCodes
+from kvlab.kernels.layouts import TensorCodes, kivi_residual_problem
 from kvlab.methods.schemes.base import QuantScheme
 
 
@@ -29,12 +29,11 @@ class KIVI(QuantScheme):
         return {**super().storage, "policy": self.policy}
 
     def problem(self):
-        bits, group, residual = self.bits, self.params["group"], self.residual
+        bits, group = self.bits, self.params["group"]
         if group > 1 and group % (8 // bits):
             return "group", f"{bits}-bit codes pack {8 // bits} per byte; group must be a multiple of that"
-        if self.policy == "kivi" and "channel" in self.axes and (residual <= 0 or residual % group):
-            return "residual", (f"policy kivi quantizes per-channel codes R tokens at a time, in whole groups: residual "
-                                f"must be a positive multiple of group {group}, got {residual} (or set policy: together)")
+        if self.policy == "kivi" and "channel" in self.axes and (problem := kivi_residual_problem(self.residual, group)):
+            return "residual", f"{problem} (or set policy: together)"
         return None
 
     def layer_spec(self, layer: int, heads: int, head_dim: int):

@@ -70,8 +70,9 @@ def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
 
 
 def policy_table(kl: pd.DataFrame) -> pd.DataFrame:
-    """KIVI's own streaming policy beside kvlab's earlier one (`together`), same bits, axes, G and R: mean KL per
-    prefix with its bounds, and what each stores, for every pair measured."""
+    """KIVI's own streaming policy beside kvlab's earlier one (`together`), paired by model, bits, axes and prefix
+    (rows do not carry G and R: the configs give each pair the same): mean KL per prefix with its bounds and n,
+    and what each stores."""
     kivi = kl[(kl["scheme"] == "kivi") & (kl["budget"] == 1)]
     on = ["model", "bits", "key_axis", "value_axis", "context_tokens"]
     pairs = where(kivi, policy="kivi").merge(where(kivi, policy="together"), on=on, suffixes=("", "_together"))
@@ -106,9 +107,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
         + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
-        + ("<h3>KIVI's streaming policy against kvlab's earlier one</h3><p class='note'>The same codes, G and R; "
-           "only which recent tokens stay in full precision differs (columns _together: policy together). KL "
-           "bounds as above.</p>" + table(policies) if not policies.empty else "")
+        + ("<h3>KIVI's streaming policy against kvlab's earlier one</h3><p class='note'>Paired by bits, axes and "
+           "prefix (the configured pairs share G and R); only which recent tokens stay in full precision differs "
+           "(columns _together: policy together). KL bounds and samples as above.</p>" + table(policies)
+           if not policies.empty else "")
         + baseline + "<h3>Accuracy on the scored tasks</h3><p class='note'>All answers of the tasks each method ran "
         "on, pooled (a method limited by its `tasks` list is scored on those only), with the Wilson 95% interval "
         "over the answers.</p>" + table(with_wilson(pooled(by_task)))
