@@ -66,7 +66,7 @@ def calibration_inputs(wildcards):
 def run_params(task=None):
     """The evaluation knobs a measuring job receives (threads are added from the job). With `task`, only the
     methods that run on it, so adding a method limited to some tasks reruns only those tasks' jobs."""
-    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "dtype", "device")}
+    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device")}
     return {"methods": methods_for(task), **run}
 
 

@@ -236,6 +236,82 @@ def test_gqa_attention_equals_transformers_sdpa(tiny, with_mask):
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mask_heads", [None, 1, 4])
+@pytest.mark.parametrize("n", [1, 3])
+def test_grouped_heads_equal_transformers_sdpa(tiny, mask_heads, n):
+    """The 16-bit CPU path folds each KV head's query heads into the query axis; in fp32 (called directly) it
+    returns what transformers' sdpa does, with no mask, a mask per row, and a mask per query head (AdaKV)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvlab.engine import attention_layers
+    from kvlab.engine.attention import _grouped
+
+    module = attention_layers(tiny[0])[0]  # 4 query heads over 2 KV heads
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(3, 4, n, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g), torch.randn(3, 2, 11, 16, generator=g)
+    mask = None
+    if mask_heads:
+        mask = torch.zeros(3, mask_heads, n, 11)
+        mask[0, :, :, 2:4] = torch.finfo(torch.float32).min
+        mask[1, -1, :, 5:9] = torch.finfo(torch.float32).min  # per query head: only the last head's keys hidden
+    module.is_causal = False  # no mask means "see everything" here (a one-token step)
+    try:
+        theirs, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    finally:
+        module.is_causal = True
+    ours = _grouped(q, k, v, mask, 0.0, 0.25)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_gqa_folds_heads_in_bf16_on_the_cpu(tiny):
+    """bf16 queries on the CPU take the folded path (one KV block per group, not per query head), and its result
+    is the fp32 attention of the same bf16 inputs, rounded to bf16; fp32 and causal prefills keep the plain call."""
+    from kvlab.engine import attention_layers, sdpa_gqa
+    from kvlab.engine.attention import grouped_heads
+
+    module = attention_layers(tiny[0])[0]
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, h, t, 16, generator=g).bfloat16() for h, t in ((4, 1), (2, 40), (2, 40)))
+    mask = torch.zeros(2, 1, 1, 40, dtype=torch.bfloat16)
+    mask[1, :, :, :30] = torch.finfo(torch.bfloat16).min
+    assert grouped_heads(q, k, causal=False) and not grouped_heads(q.float(), k.float(), causal=False)
+    assert not grouped_heads(torch.randn(1, 4, 8, 16).bfloat16(), k, causal=True)
+    ours, _ = sdpa_gqa(module, q, k, v, mask, scaling=0.25)
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), attn_mask=mask.double(), scale=0.25, enable_gqa=True).transpose(1, 2)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours.double(), exact, rtol=2 ** -8, atol=1e-3)  # one bf16 rounding of the output
+
+
+def test_growing_layer_appends_in_place_as_concatenation_would():
+    """Batch's dense layers append into room they hold (no copy of the cache per step); what they hold equals
+    DynamicLayer's concatenation through growth past the room, dropped rows and a crop."""
+    from transformers.cache_utils import DynamicLayer
+
+    from kvlab.engine.batch import Growing
+
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1, 2, 5, 4, generator=g) for _ in range(3)]
+    grown, plain = Growing(rows, [r + 1 for r in rows]), DynamicLayer()
+    plain.update(torch.cat(rows), torch.cat(rows) + 1)
+    storage = grown._keys.data_ptr()
+    for step in range(Growing.ROOM + 10):  # past the first room: it grows once
+        new = torch.randn(3, 2, 1 if step % 7 else 3, 4, generator=g)
+        keys, values = grown.update(new, -new)
+        plain.update(new, -new)
+        assert torch.equal(keys, plain.keys) and torch.equal(values, plain.values)
+        if step == 0:
+            assert grown._keys.data_ptr() == storage  # written in place
+    grown.keep([2, 0])
+    plain.batch_select_indices(torch.tensor([2, 0]))
+    keys, _ = grown.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))
+    plain.update(torch.ones(2, 2, 1, 4), torch.ones(2, 2, 1, 4))
+    assert torch.equal(keys, plain.keys) and grown.get_seq_length() == plain.get_seq_length()
+    grown.crop(7)
+    plain.crop(7)
+    assert torch.equal(grown.keys, plain.keys) and torch.equal(grown.values, plain.values)
+
+
 def test_multi_turn_mode_asks_a_later_question_on_the_aware_cache(tiny):
     """multi_turn rows are the later turns decoded on the cache compressed together with the first question;
     aware rows are that question's own turn; agnostic rows every turn on the context-only cache."""
@@ -594,6 +670,26 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
     alone = [r for s in samples for r in evaluate_sample(sharp, tokenizer, s, grid, ["agnostic", "aware", "multi_turn"], 8)]
     assert len(samples) == 2 and {r["turn"] for r in together} == {1, 2}
     pd.testing.assert_frame_equal(pd.DataFrame(together).drop(columns=timing), pd.DataFrame(alone).drop(columns=timing))
+
+
+def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
+    """noise_floor=1: the first sample's full rows carry the noise floor, the second sample's none; every other
+    column is as measuring it everywhere gives."""
+    from kvlab.engine import evaluate_samples
+
+    tokenizer = tiny[1]
+    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5])
+    samples = GENERATORS["niah"]("niah_single", {"depths": [0.3, 0.7], "samples": 1, "seed": 5}, tokenizer, 600)
+    noise = ["noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"]
+    timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
+    every = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8))
+    first = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_floor=1))
+    measured = first[first["noise_kl"].notna()]
+    assert set(measured["sample_id"]) == {samples[0].row()["sample_id"]} and set(measured["method"]) == {"full"}
+    assert every.loc[every["method"] == "full", "noise_kl"].notna().sum() == 2
+    pd.testing.assert_frame_equal(first.drop(columns=timing + noise), every.drop(columns=timing + noise))
+    none = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_floor=0))
+    assert none[noise].isna().all().all()
 
 
 def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):

@@ -64,7 +64,8 @@ def run_job(
 ) -> pd.DataFrame:
     """Evaluate every configured variant on the task's samples; write the rows to `out_path` (Parquet).
 
-    `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads.
+    `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads, and
+    noise_floor_samples (the noise floor is measured on the job's first samples; default: all).
     """
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
@@ -80,7 +81,8 @@ def run_job(
     with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
         for done in range(0, len(samples), at_once):
             chunk = samples[done : done + at_once]
-            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap))
+            noise = max(0, run.get("noise_floor_samples", len(samples)) - done)  # the job's first samples
+            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_floor=noise))
             bar.update(len(chunk))
             bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
             log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))

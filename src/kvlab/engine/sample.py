@@ -66,15 +66,16 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
 
 
 def evaluate_sample(
-    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
+    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True,
+    noise_floor: bool = True,
 ):
     """Rows for one sample (see `evaluate_samples`)."""
-    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl)
+    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl, int(noise_floor))
 
 
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
-    kl: bool = True,
+    kl: bool = True, noise_floor: int | None = None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -89,7 +90,8 @@ def evaluate_samples(
     and `verified_decode` gives every variant's answer from one teacher-forced pass along the full answer,
     decoding only the rows that leave it. With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
-    from full). The seconds of the shared reference decoding are split evenly among its answers.
+    from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
+    (`decode.noise_floor`) is measured on the full row of the first `noise_floor` samples (None: every sample).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -105,12 +107,12 @@ def evaluate_samples(
     rows = []
     for i, pl in enumerate(plans):
         rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s)
+                      reference_s, noise_floor is None or i < noise_floor)
     return rows
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float) -> list[dict]:
+          reference_s: float, measure_noise: bool) -> list[dict]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer)."""
     sample, p = pl.sample, pl.sample.prompt
     rows = []
@@ -142,6 +144,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
             noise = dict.fromkeys(("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"))
             if logp is not None:
                 div = divergence(logp, path, ref)
+            if logp is not None and measure_noise:
                 t0 = time.perf_counter()
                 noise = {**noise_floor(model, caches[ref], turn_tail, path, base.length, logp[ref]),
                          "noise_s": time.perf_counter() - t0}
