@@ -27,10 +27,11 @@ def test_default_config_is_valid_and_defaults_filled(config):
     assert out["max_new_tokens"] == 16
     assert out["models"]["qwen2.5-0.5b"]["dtype"] == "float32"
     assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 32, "kernel_size": 5}
-    assert out["tasks"]["niah_prose"] == {
-        "kind": "niah", "haystack": "prose", "context_tokens": [1024], "depths": [0.5], "samples": 2, "seed": 0,
-        "keys": 1, "values": 1, "queries": 1, "question_position": "after",
+    assert out["tasks"]["recency"] == {
+        "kind": "recency", "context_tokens": [1024], "from_end_tokens": [64, 192], "samples": 3, "seed": 0,
+        "haystack": "noise",
     }
+    assert out["noise_floor_samples"] == 4
     assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32, "batches": [1]}
 
 
@@ -45,7 +46,7 @@ def test_every_preset_covers_every_task_kind(config):
     """smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
     schema = yaml.safe_load(SCHEMA.read_text())
     kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
-    for preset in ("default", "smoke", "evidence", "full"):
+    for preset in ("default", "wide", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
         assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
 
@@ -100,7 +101,7 @@ BAD = [
     (("methods", "kivi2", "policy"), "fifo", "config: key 'methods.kivi2.policy': 'fifo' is not allowed; allowed: kivi, together"),
     (("methods", "kivi2", "tasks"), ["niah"], "preset 'default': key 'methods.kivi2.tasks': no task 'niah'; configured tasks: niah_single"),
     (("methods", "full", "tasks"), ["prose_kl"], "key 'methods.full.tasks': the full reference runs on every task; remove it"),
-    (("methods", "hf_quanto4", "bits"), 8, "config: key 'methods.hf_quanto4.bits': 8 is not allowed; allowed: 2, 4"),
+    (("methods", "hf_quanto4"), {"kind": "hf_quantized", "bits": 8}, "config: key 'methods.hf_quanto4.bits': 8 is not allowed; allowed: 2, 4"),
     (("methods", "snapkv", "press"), "SnapKV", "config: key 'methods.snapkv.press': 'SnapKV' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean SnapKVPress?"),
     (("methods", "snapkv", "press"), "snapkvpress", "config: key 'methods.snapkv.press': 'snapkvpress' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean SnapKVPress?"),
     (("methods", "streaming_llm", "press"), "streaming_llm", "key 'methods.streaming_llm.press': 'streaming_llm' does not match ^[A-Z][A-Za-z0-9]*Press$; did you mean StreamingLLMPress?"),
@@ -134,7 +135,8 @@ BAD = [
     (("tasks", "niah_single", "depths"), [], "config: key 'tasks.niah_single.depths': must not be empty"),
     (("tasks", "niah_single", "haystack"), "essays", "config: key 'tasks.niah_single.haystack': 'essays' is not allowed; allowed: noise, prose"),
     (("tasks", "niah_single", "hops"), 3, "config: unknown key 'hops' under 'tasks.niah_single'; allowed: context_tokens, depths, haystack, keys"),
-    (("tasks", "niah_multiquery", "queries"), 5, "preset 'default': key 'tasks.niah_multiquery.queries': 5 exceeds keys 3"),
+    (("tasks", "niah_multiquery"), {"kind": "niah", "keys": 3, "queries": 5, "context_tokens": [1024]},
+     "preset 'default': key 'tasks.niah_multiquery.queries': 5 exceeds keys 3"),
     (("tasks", "recency", "from_end_tokens"), [2000], "preset 'default': key 'tasks.recency.from_end_tokens': each must be below every context length (1024)"),
     (("tasks", "recency", "from_end_tokens"), DELETE, "config: key 'tasks.recency': missing required key 'from_end_tokens'"),
     (("tasks", "common_words", "uncommon_freq"), 10, "preset 'default': key 'tasks.common_words.uncommon_freq': must be below common_freq 10"),
@@ -150,7 +152,7 @@ BAD = [
     (("report", "crossover", "kv_schemes"), ["bf16", "int4"], "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, smoke, evidence, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, wide, smoke, evidence, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 
