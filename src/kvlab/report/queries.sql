@@ -329,3 +329,17 @@ SELECT DISTINCT model, dtype, task, sample_id, turn, metric <> 'none' AS scored,
        noise_diverged_at IS NOT NULL AS changed
 FROM eval WHERE method_kind = 'full' AND noise_kl IS NOT NULL
 ORDER BY model, dtype, task, sample_id, turn;
+
+-- name: output_lengths
+-- Every scored answer's length in tokens (new_tokens: up to and with its EOS) beside the full cache's answer to
+-- the same prompt (sample, question mode, turn), and the decoding cap it ran under (max_new_tokens): an answer of
+-- the cap's length ended there, cut or just fitting.
+WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
+reference AS (
+    SELECT model, sample_id, question_mode, turn, new_tokens AS full_tokens, score AS full_score
+    FROM scored WHERE method_kind = 'full'
+)
+SELECT model, task, context_tokens, question_mode, method, method_kind, budget, sample_id, turn, max_new_tokens,
+       new_tokens, full_tokens, score, full_score
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+ORDER BY model, task, context_tokens, method, budget DESC, sample_id, question_mode, turn;

@@ -6,7 +6,7 @@ Adding a section: a module here and one line in SECTIONS.
 
 from kvlab.report.sections import (
     accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
-    eval_cost, eviction, kernels, models, power, provenance, quant, summary, tasks, throughput, verdict_grid,
+    eval_cost, eviction, kernels, lengths, models, power, provenance, quant, summary, tasks, throughput, verdict_grid,
 )
 
 SECTIONS = [
@@ -20,6 +20,7 @@ SECTIONS = [
     calibration,
     quant,
     divergence,
+    lengths,
     throughput,
     kernels,
     engine,
