@@ -45,6 +45,7 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check src kernels tests workflow
+	$(BIN)/snakefmt --check Snakefile rules
 	$(BIN)/snakemake --lint
 
 clean:

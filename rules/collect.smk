@@ -7,10 +7,7 @@ rule collect:
         costs="results/accounting/costs.parquet",
         reads="results/accounting/reads.parquet",
         crossover="results/accounting/crossover.parquet",
-        benchmarks=[
-            f"results/benchmarks/evaluate/{p.removeprefix('results/eval/').removesuffix('.parquet')}.tsv"
-            for p in eval_rows()
-        ]
+        benchmarks=[f"results/benchmarks/evaluate/{p.removeprefix('results/eval/').removesuffix('.parquet')}.tsv" for p in eval_rows()]
         + [p.replace("results/speed/", "results/benchmarks/").replace(".parquet", ".tsv") for p in speed_rows()]
         + [f"results/benchmarks/{rule}/{m}.tsv" for rule in ("acquire_model", "calibrate") for m in MODELS],
     output:

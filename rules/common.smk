@@ -28,12 +28,7 @@ wildcard_constraints:
 
 def eval_rows():
     """One Parquet file per (model, task, context length)."""
-    return [
-        f"results/eval/{model}/{task}/{ctx}.parquet"
-        for model in EVALUATED
-        for task, spec in config["tasks"].items()
-        for ctx in spec["context_tokens"]
-    ]
+    return [f"results/eval/{model}/{task}/{ctx}.parquet" for model in EVALUATED for task, spec in config["tasks"].items() for ctx in spec["context_tokens"]]
 
 
 def speed_rows():

@@ -286,7 +286,8 @@ def test_a_bad_prefill_token_kept_in_full_precision_is_refused_when_it_enters(na
     values[0, 1, 0 if where == "sinks" else t - 1, 5] = float("nan")
     layer = kvcache.QuantizedKVLayer(spec)
     cos, sin = rope_tables(t)
-    with pytest.raises(ValueError, match=r"^quantized cache layer values entering full precision \(sinks or residual\): 1 NaN/Inf value\(s\); KV entries must be finite$"):
+    with pytest.raises(ValueError, match=r"^quantized cache layer values entering full precision \(sinks or residual\): "
+                                         r"1 NaN/Inf value\(s\); KV entries must be finite$"):
         layer.update(keys, values, {"cos": cos, "sin": sin})
     assert layer.quantized == 0 and layer.get_seq_length() == 0
 
@@ -328,7 +329,8 @@ def test_fp8_dynamic_scale_refuses_an_all_zero_prefill():
     layer = kvcache.QuantizedKVLayer(SPECS["fp8_dynamic"]())
     keys, values = random_kv(24)
     zeros = torch.zeros_like(keys[..., :16, :])
-    with pytest.raises(ValueError, match=r"^quantized cache layer keys: fp8 dynamic scale: the first tokens quantized peak at \|x\| = 0 .*use scales: calibrated$"):
+    with pytest.raises(ValueError, match=r"^quantized cache layer keys: fp8 dynamic scale: "
+                                         r"the first tokens quantized peak at \|x\| = 0 .*use scales: calibrated$"):
         layer.update(zeros, values[..., :16, :])
     assert layer.get_seq_length() == 0 and layer.spec.key.dynamic is None
     # a prefill with content sets the scale; later tokens then round-trip within E4M3's precision

@@ -32,7 +32,8 @@ def test_no_network_references(page):
 
 
 def test_sections_and_queries_present(page):
-    for title in ("Summary", "Claims", "Decision table (article §7.2), regenerated", "Accuracy vs KV bytes", "Eviction: which tokens survive", "Divergence from the full cache", "Output length", "Decode throughput",
+    for title in ("Summary", "Claims", "Decision table (article §7.2), regenerated", "Accuracy vs KV bytes", "Eviction: which tokens survive",
+                  "Divergence from the full cache", "Output length", "Decode throughput",
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
                   "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",

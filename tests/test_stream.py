@@ -36,7 +36,8 @@ def test_one_pass_reads_each_token_as_its_own_step_would(name, prefilled, n):
     keys, values = random_kv(prefilled + n, seed=prefilled)
     cos, sin = rope_tables(prefilled + n)
     kw = lambda a, b: {"cos": cos[:, a:b], "sin": sin[:, a:b]} if spec.rope else None  # noqa: E731
-    layer = kvcache.layer_from_dense(keys[..., :prefilled, :], values[..., :prefilled, :], spec, *((cos[:, :prefilled], sin[:, :prefilled]) if spec.rope else ()))
+    layer = kvcache.layer_from_dense(keys[..., :prefilled, :], values[..., :prefilled, :], spec,
+                                     *((cos[:, :prefilled], sin[:, :prefilled]) if spec.rope else ()))
     assert stream.streamable(layer)
     q = torch.randn(1, 2, n, 16, generator=torch.Generator().manual_seed(7))
     stepped, expected = layer.fork(), []

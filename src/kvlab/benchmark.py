@@ -45,10 +45,12 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     chosen = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)[:samples]
     if len(chosen) < samples:
-        raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; benchmark.samples asks {samples}")
+        raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; "
+                         f"benchmark.samples asks {samples}")
     if any(not s.prompt.text[1] for s in chosen):
         raise ValueError(f"benchmark task '{task}' must ask its question after the document (kvpress's pipeline does)")
-    grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress") and "wrapper" not in v.params]  # plain presses: what the pipeline runs as is
+    # plain presses: what the pipeline runs as is
+    grid = [v for v in variants(run["methods"], run["budgets"], task) if v.kind in ("full", "kvpress") and "wrapper" not in v.params]
     modes = [m for m in run["question_modes"] if m in ("agnostic", "aware")]  # the niah task has no later turns
     max_new = max_new_tokens(task_spec, run["max_new_tokens"])
 

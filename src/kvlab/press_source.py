@@ -150,7 +150,8 @@ def kwargs_problem(press: str, kwargs: dict, skip_values: tuple = ()) -> tuple[s
     for key in kwargs:
         if key not in fields:
             close = difflib.get_close_matches(key, list(settable), n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(close)}?" if close else (f"{press} takes: {', '.join(sorted(settable))}" if settable else f"{press} takes no arguments")
+            hint = (f"did you mean {', '.join(close)}?" if close
+                    else f"{press} takes: {', '.join(sorted(settable))}" if settable else f"{press} takes no arguments")
             return key, f"{press} has no field '{key}'; {hint}"
     checked = {k: v for k, v in kwargs.items() if not any(v == s for s in skip_values)}
     for key, value in checked.items():

@@ -100,7 +100,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             dense_tokens = n["sink_tokens"] + n["residual_keys"], n["sink_tokens"] + n["residual_values"]
             formula += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, layer.keys.element_size())
             stored_bf16 += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, 2)
-            code_bytes += measured - dense * layer.keys.element_size() - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size())
+            code_bytes += (measured - dense * layer.keys.element_size()
+                           - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size()))
             code_tokens_bf16 += sum(coded) * token_bf16 // 2  # half of a token's K and V per coded key or value
         elif quantized is not None:  # transformers' QuantizedCache layer: measured only
             formula = float("nan")
