@@ -38,7 +38,8 @@ def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict
         config["preset"] = preset
     config = resolve(config, ROOT / "workflow" / "config.schema.yaml")
     methods = {name: m for name, m in config["methods"].items() if runs_on(m, task)}
-    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device", "threads")}
+    keys = ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device", "threads")
+    run = {key: config[key] for key in keys if key in config}  # an older schema lacks some (noise_floor_samples)
     return config["tasks"][task], {"methods": methods, **run}
 
 
