@@ -673,7 +673,7 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
 
 
 def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
-    """noise_floor=1: the first sample's full rows carry the noise floor, the second sample's none; every other
+    """noise_samples=1: the first sample's full rows carry the noise floor, the second sample's none; every other
     column is as measuring it everywhere gives."""
     from kvlab.engine import evaluate_samples
 
@@ -683,12 +683,12 @@ def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
     noise = ["noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"]
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
     every = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8))
-    first = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_floor=1))
+    first = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_samples=1))
     measured = first[first["noise_kl"].notna()]
     assert set(measured["sample_id"]) == {samples[0].row()["sample_id"]} and set(measured["method"]) == {"full"}
     assert every.loc[every["method"] == "full", "noise_kl"].notna().sum() == 2
     pd.testing.assert_frame_equal(first.drop(columns=timing + noise), every.drop(columns=timing + noise))
-    none = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_floor=0))
+    none = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_samples=0))
     assert none[noise].isna().all().all()
 
 

@@ -82,7 +82,7 @@ def run_job(
         for done in range(0, len(samples), at_once):
             chunk = samples[done : done + at_once]
             noise = max(0, run.get("noise_floor_samples", len(samples)) - done)  # the job's first samples
-            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_floor=noise))
+            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_samples=noise))
             bar.update(len(chunk))
             bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
             log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))

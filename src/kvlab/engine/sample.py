@@ -67,15 +67,15 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
 
 def evaluate_sample(
     model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True,
-    noise_floor: bool = True,
+    noise: bool = True,
 ):
     """Rows for one sample (see `evaluate_samples`)."""
-    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl, int(noise_floor))
+    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl, int(noise))
 
 
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
-    kl: bool = True, noise_floor: int | None = None,
+    kl: bool = True, noise_samples: int | None = None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -91,7 +91,7 @@ def evaluate_samples(
     decoding only the rows that leave it. With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
-    (`decode.noise_floor`) is measured on the full row of the first `noise_floor` samples (None: every sample).
+    (`decode.noise_floor`) is measured on the full row of the first `noise_samples` samples (None: every sample).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -107,7 +107,7 @@ def evaluate_samples(
     rows = []
     for i, pl in enumerate(plans):
         rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s, noise_floor is None or i < noise_floor)
+                      reference_s, noise_samples is None or i < noise_samples)
     return rows
 
 
