@@ -180,6 +180,12 @@ def _job_runs(proc: subprocess.Popen, script: str) -> bool:
     return False
 
 
+def _default_sigint() -> None:
+    """SIGINT as a terminal's Ctrl-C finds it: a shell starts a background job (`make test &`) with SIGINT ignored,
+    and Python keeps an inherited SIG_IGN, so Snakemake and its jobs would never see the signal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupted(work: Path, sig: int, started: Path, script: str, *args: str) -> str:
     """Run the README's command in `work` and send `sig` to its process group (as a terminal's Ctrl-C, or a kill
     of the job's processes) once the job writing `started` runs: Snakemake removes a job's old outputs as it starts
@@ -190,7 +196,8 @@ def _interrupted(work: Path, sig: int, started: Path, script: str, *args: str) -
     cmd = [sys.executable, "-m", "snakemake", "--cores", "2", "results/report.html", "--config", "preset=smoke", *args]
     log = work / "interrupted.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=work, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_default_sigint)
         while proc.poll() is None and (started.exists() or not _job_runs(proc, script)):
             time.sleep(0.002)
         assert proc.poll() is None, f"the run ended before its job started: {log.read_text()[-3000:]}"
