@@ -16,7 +16,7 @@ def answers(method, task, lengths_, full, cap=8, modes=("aware",), budget=1.0):
     kind = "full" if method == "full" else "kvpress"
     return [{"model": "m", "task": task, "context_tokens": 512, "question_mode": mode, "method": method,
              "method_kind": kind, "budget": budget, "sample_id": f"{task}-{i}", "turn": 1, "max_new_tokens": cap,
-             "new_tokens": n, "full_tokens": f, "score": 1.0 if n < cap else 0.0, "full_score": 1.0 if f < cap else 0.0}
+             "new_tokens": n, "full_tokens": f, "score": 1.0 if n < cap else 0.0}
             for i, (n, f) in enumerate(zip(lengths_, full)) for mode in modes]
 
 
@@ -54,4 +54,4 @@ def test_length_changes_are_paired_and_bounded_over_samples():
     assert r["change_tokens"] == 2 and r["change_low"] == r["change_high"] == 2 and r["samples"] == 5
     page = lengths.body({"output_lengths": rows}, Rule())
     assert escape("longer than the full cache's in 1, shorter in 0 and neither is decided in 2") in page
-    assert "Longest: longer (1) on t: +3.0 tokens [+3.0, +3.0]." in page
+    assert "Longest: longer (1) on t: +3.0 tokens [+3.0, +3.0], n=6." in page

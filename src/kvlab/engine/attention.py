@@ -69,7 +69,7 @@ def _grouped(query, key, value, mask, dropout, scaling) -> torch.Tensor:
     if mask is not None:
         if mask.shape[1] == 1:
             mask = mask[:, :, None].expand(b, 1, g, n, mask.shape[-1])
-        mask = mask.reshape(b, mask.shape[1] // g if mask.shape[1] == hq else 1, g * n, mask.shape[-1])
+        mask = mask.reshape(b, hkv if mask.shape[1] == hq else 1, g * n, mask.shape[-1])
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(b, hkv, g * n, d), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )

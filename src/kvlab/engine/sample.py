@@ -66,11 +66,10 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
 
 
 def evaluate_sample(
-    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True,
-    noise: bool = True,
+    model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
 ):
     """Rows for one sample (see `evaluate_samples`)."""
-    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl, int(noise))
+    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl)
 
 
 def evaluate_samples(

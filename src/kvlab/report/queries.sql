@@ -336,10 +336,9 @@ ORDER BY model, dtype, task, sample_id, turn;
 -- the cap's length ended there, cut or just fitting.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
-    SELECT model, sample_id, question_mode, turn, new_tokens AS full_tokens, score AS full_score
-    FROM scored WHERE method_kind = 'full'
+    SELECT model, sample_id, question_mode, turn, new_tokens AS full_tokens FROM scored WHERE method_kind = 'full'
 )
 SELECT model, task, context_tokens, question_mode, method, method_kind, budget, sample_id, turn, max_new_tokens,
-       new_tokens, full_tokens, score, full_score
+       new_tokens, full_tokens, score
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 ORDER BY model, task, context_tokens, method, budget DESC, sample_id, question_mode, turn;

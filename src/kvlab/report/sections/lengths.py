@@ -62,9 +62,9 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
                f"shorter in {counts.get('shorter', 0)} and neither is decided in {counts.get('undecided', 0)} "
                f"(one-sided {LEVEL:.0%} bounds over samples; cells under {MIN_SAMPLES} samples are left unbounded).")
     longer = d[d["outcome"] == "longer"].sort_values("change_tokens", ascending=False).head(8)
-    top = ("Longest: " + "; ".join(f"{m} ({b:g}) on {t}: {x:+.1f} tokens [{lo:+.1f}, {hi:+.1f}]" for m, b, t, x, lo, hi in
+    top = ("Longest: " + "; ".join(f"{m} ({b:g}) on {t}: {x:+.1f} tokens [{lo:+.1f}, {hi:+.1f}], n={n}" for m, b, t, x, lo, hi, n in
                                    zip(longer["method"], longer["budget"], longer["task"], longer["change_tokens"],
-                                       longer["change_low"], longer["change_high"])) + ".") if len(longer) else ""
+                                       longer["change_low"], longer["change_high"], longer["samples"])) + ".") if len(longer) else ""
     return (
         "<p>Per task, the decoding cap and how the full cache's answers fit in it (accuracy and the share of answers "
         f"that reached the cap, each with a {LEVEL:.0%} Wilson interval over answers). A cap the full cache "
