@@ -32,8 +32,22 @@ def ops(x: torch.Tensor):
 # --------------------------------------------------------------------------- #
 
 
+class Codec:
+    """What ``QuantizedKVLayer`` asks of a codec besides ``encode`` and ``decode``; the defaults hold for a codec
+    with no metadata range to check, no check of its first input's peak, and no bytes beyond its codes."""
+
+    fp16_metadata = False  # whether its metadata is fp16 (then quant.check_input checks the range it must fit)
+
+    def check_first_peak(self, peak: float, what: str) -> None:
+        """Check the largest |x| of the first tensor encoded (`peak`, read once with the finiteness check)."""
+
+    def constant_bytes(self) -> int:
+        """Bytes the codec stores once per layer, beside its per-token codes."""
+        return 0
+
+
 @dataclass
-class AffineCodec:
+class AffineCodec(Codec):
     """Asymmetric min–max integers. ``channel``: per channel over groups of ``group`` tokens (KIVI keys);
     ``token``: per token over groups of ``group`` channels (KIVI values; INT8 per-token with group = D).
     ``encode`` takes x as checked (finite, within fp16 metadata's range): ``QuantizedKVLayer`` checks keys and
@@ -61,7 +75,7 @@ class AffineCodec:
 
 
 @dataclass
-class FP8Codec:
+class FP8Codec(Codec):
     """E4M3 codes of x / scale: static per-KV-head scales (calibration), or — when ``scales`` is None — one
     per-tensor scale set from the first tensor encoded (the prefill) and reused for every later token."""
 
@@ -123,7 +137,7 @@ def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @dataclass
-class GridKeyCodec:
+class GridKeyCodec(Codec):
     """KVQuant-style keys: un-rotate to pre-RoPE with the tokens' own positions, map each channel onto
     [-1, 1] by its calibrated range [lo, hi], take the nearest level of the layer's calibrated non-uniform
     grid; the ``outliers`` largest normalized entries of each key vector are kept in fp16 (dense-and-sparse)

@@ -10,10 +10,9 @@ heads that share it (grouped-query attention).
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from transformers.cache_utils import DynamicLayer
+
+from kvlab.kernels.layer import KVLayer
 
 
 def received_attention(queries: torch.Tensor, keys: torch.Tensor, scaling: float, offset: int = 0,
@@ -52,7 +51,7 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
 
 
-class H2OLayer(DynamicLayer):
+class H2OLayer(KVLayer):
     """A cache layer that keeps at most `capacity` tokens per KV head: `recent` newest ones always, the rest
     by accumulated attention. Before each update the attention module's queries are handed over through
     `pending_query` (see kvlab.methods.h2o); the new tokens' attention is added to the scores, the layer
@@ -68,10 +67,6 @@ class H2OLayer(DynamicLayer):
         self.capacity, self.recent, self.scaling = capacity, recent, scaling
         index = keep_heavy_and_recent(scores, capacity, recent)
         self.keys, self.values, self.scores = _gather(keys, index), _gather(values, index), scores.gather(2, index)
-        self.pending_query: torch.Tensor | None = None
-
-    def fork(self) -> "H2OLayer":
-        return copy.copy(self)  # updates build new tensors, never write into shared ones
 
     def update(self, key_states, value_states, cache_kwargs=None):
         if self.pending_query is None:

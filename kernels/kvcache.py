@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import QuantizedLayer
 
 from kvlab.kernels import layouts, quant
 from kvlab.kernels.codecs import AffineCodec
+from kvlab.kernels.layer import KVLayer
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -85,8 +86,10 @@ def _unit(codec) -> int:
     return codec.group if _per_channel(codec) else 1
 
 
-class QuantizedKVLayer(DynamicLayer):
+class QuantizedKVLayer(KVLayer):
     """A cache layer holding sinks + packed codes + a full-precision residual (see the module docstring)."""
+
+    own_layout = True  # codes cannot be concatenated with other rows' tensors
 
     def __init__(self, spec: LayerSpec):
         super().__init__()
@@ -186,7 +189,7 @@ class QuantizedKVLayer(DynamicLayer):
         quantizing = [(t, what, codec, n) for (t, _, what, codec), n in zip(codecs, coding) if n]
         unread = self._unread_nonfinite
         if quantizing or key_states.shape[-2] > 1:
-            checks = [(f"quantized cache layer {what}", t[..., sinks : sinks + n, :], getattr(codec, "fp16_metadata", False))
+            checks = [(f"quantized cache layer {what}", t[..., sinks : sinks + n, :], codec.fp16_metadata)
                       for t, what, codec, n in quantizing]
             # all new tokens: the quantized ones are checked above first, so a failure here is in sinks or residual
             checks += [(f"quantized cache layer {what} entering full precision (sinks or residual)", new, False)
@@ -197,8 +200,7 @@ class QuantizedKVLayer(DynamicLayer):
             peaks = quant.check_input(*checks, entered=tuple(entered))
             if peaks is not None:
                 for (_, what, codec, _), peak in zip(quantizing, peaks):
-                    if hasattr(codec, "check_first_peak"):
-                        codec.check_first_peak(peak, f"quantized cache layer {what}")
+                    codec.check_first_peak(peak, f"quantized cache layer {what}")
             unread = None
         elif not quant.capturing(key_states):  # no read: a device sum, not finite if a NaN/Inf entered, refused at
             # the next call that reads (which counts them in the tensors held); 3-4 small launches
@@ -250,7 +252,7 @@ class QuantizedKVLayer(DynamicLayer):
     def nbytes(self) -> int:
         """Bytes of every tensor the layer stores: sinks, codes and metadata, residual."""
         codes = sum(_nbytes(*d.values()) for d in self.stored.values())
-        constant = sum(getattr(c, "constant_bytes", lambda: 0)() for c in (self.spec.key, self.spec.value))
+        constant = sum(c.constant_bytes() for c in (self.spec.key, self.spec.value))
         return _nbytes(self.sink_keys, self.sink_values, self.keys, self.values) + codes + constant
 
     def counts(self) -> dict[str, int]:
@@ -330,18 +332,13 @@ def layer_nbytes(layer) -> int:
     if isinstance(layer, QuantizedKVLayer):
         return layer.nbytes()
     dense = tensor_nbytes(layer.keys) + tensor_nbytes(layer.values)
-    return dense + tensor_nbytes(getattr(layer, "_quantized_keys", None)) + tensor_nbytes(getattr(layer, "_quantized_values", None))
+    if isinstance(layer, QuantizedLayer) and layer.is_initialized:  # transformers' own: codes packed by its backend, plus a dense residual
+        return dense + tensor_nbytes(layer._quantized_keys) + tensor_nbytes(layer._quantized_values)
+    return dense
 
 
 def is_quantized(layer) -> bool:
-    from transformers.cache_utils import QuantizedLayer
-
     return isinstance(layer, (QuantizedKVLayer, QuantizedLayer))
-
-
-def fork_layer(layer):
-    """A copy of a cache layer that can be updated without touching the original."""
-    return layer.fork() if hasattr(layer, "fork") else copy.copy(layer)
 
 
 def outliers_per_vector(fraction: float, head_dim: int) -> int:

@@ -19,7 +19,7 @@ decoding, teacher forcing, divergence), `batch` (Rows and Batch), `compress` (a 
 """
 
 from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
-from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries, own_layout
+from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.decode import (
     Verified, decode_references, divergence, first_divergence, greedy_decode, noise_floor, stepwise, teacher_forced, verified_decode,
@@ -31,7 +31,7 @@ from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_sample
 __all__ = [
     "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "Rows", "attention_layers", "cache_stats",
     "capture", "compress", "decode_path", "decoder_layers", "divergence", "evaluate_sample", "greedy_decode",
-    "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries", "own_layout",
+    "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries",
     "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",
     "stop_ids", "teacher_forced", "Verified", "decode_references", "evaluate_samples", "first_divergence", "noise_floor", "stepwise",
     "verified_decode",

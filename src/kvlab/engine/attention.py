@@ -4,6 +4,7 @@ over quantized rows, and hooks that give each layer its own mask and hand querie
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch.profiler import record_function
@@ -12,9 +13,31 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvlab.engine.model import attention_layers, queries
 from kvlab.kernels import decode_attention
+from kvlab.kernels.layer import KVLayer, wants_query
 
 
 ATTENTION = "kvlab_sdpa_gqa"
+_READING: ContextVar = ContextVar("kvlab_reading", default=None)  # the cache a forward pass reads (see `reading`)
+
+
+@contextmanager
+def reading(cache):
+    """Let attention find the cache layer a forward pass reads, by the attention module's `layer_idx`: a layer
+    whose update set `fused_step` is read from its codes (`sdpa_gqa`)."""
+    token = _READING.set(cache)
+    try:
+        yield
+    finally:
+        _READING.reset(token)
+
+
+def fused_step(module):
+    """The `fused_step` of the cache layer `module` attends to in the forward pass under `reading`, or None."""
+    cache = _READING.get()
+    if cache is None:
+        return None
+    layer = cache.layers[module.layer_idx]
+    return layer.fused_step if isinstance(layer, KVLayer) else None
 
 
 @record_function("kvlab.attention")
@@ -24,10 +47,10 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     whenever there is a mask (a full copy of the cache per layer and step: 7x for Qwen2.5-0.5B), which is
     what our batched decoding always passes. Same result (tested), several times faster on the CPU.
 
-    A decode step over quantized rows (`Rows.update` tags the key with `fused`) attends to each row's codes
-    with the Triton kernel instead (kvlab.kernels.decode_attention); each row then covers exactly its own
-    entries, so the padding mask has nothing to add."""
-    fused = getattr(key, "fused", None)
+    A decode step over quantized rows (whose update set the layer's `fused_step`, see `reading`) attends to each
+    row's codes with the Triton kernel instead (kvlab.kernels.decode_attention); each row then covers exactly its
+    own entries, so the padding mask has nothing to add."""
+    fused = fused_step(module)
     if fused is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         rows, start = [], 0
@@ -93,7 +116,7 @@ def query_hooks(model, cache):
     try:
         for idx, module in enumerate(attention_layers(model)):
             layer = cache.layers[idx]
-            if getattr(layer, "wants_query", False):
+            if wants_query(layer):
                 handles.append(module.register_forward_pre_hook(hook_for(layer), with_kwargs=True))
         yield
     finally:

@@ -6,21 +6,22 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.masking_utils import create_sliding_window_causal_mask
 
-from kvlab.engine.attention import per_layer_masks, query_hooks
+from kvlab.engine.attention import per_layer_masks, query_hooks, reading
 from kvlab.engine.compress import held_tokens
 from kvlab.engine.model import is_sliding
-from kvlab.engine.prefill import shallow_copy
+from kvlab.engine.prefill import KVCache, shallow_copy
 from kvlab.kernels import decode_attention, kvcache
 from kvlab.kernels import stream as kvstream
+from kvlab.kernels.layer import FusedRow, KVLayer, fork_layer, hidden_entries, own_layout, wants_query
 
 
 def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> torch.Tensor | None:
     """(B, H_kv, width): the entries each row's press masked per KV head (AdaKV), left-aligned, False beyond
     what a row holds; None when no row masks anything. `sizes`: the sequences each layer holds (default 1)."""
-    masks = [m for layer, n in zip(layers, sizes or [1] * len(layers)) for m in [getattr(layer, "masked", None)] * n]
+    masks = [m for layer, n in zip(layers, sizes or [1] * len(layers)) for m in [hidden_entries(layer)] * n]
     if all(m is None for m in masks):
         return None
     ref = next(m for m in masks if m is not None)
@@ -39,11 +40,6 @@ def decode_path(cache: DynamicCache, device) -> str:
     return "triton codes" if decode_attention.fused_rows(quantized, device) else "dequantize"
 
 
-def own_layout(layer) -> bool:
-    """Layers that cannot be stacked with others: quantized storage, or per-step eviction (H2O: `own_layout`)."""
-    return kvcache.is_quantized(layer) or getattr(layer, "own_layout", False)
-
-
 def host_free_step(caches: list[DynamicCache], device) -> bool:
     """Whether a one-token step of these caches decoded as one batch waits for nothing on the host, so that a
     CUDA graph can capture it: every layer that `Batch` keeps per row (`Rows`) is read by the decode kernel;
@@ -53,7 +49,7 @@ def host_free_step(caches: list[DynamicCache], device) -> bool:
                if any(own_layout(r) for r in rows))
 
 
-class Rows(DynamicLayer):
+class Rows(KVLayer):
     """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
     concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
     slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the
@@ -65,11 +61,10 @@ class Rows(DynamicLayer):
     def __init__(self, rows: list):
         super().__init__()
         stacked = kvcache.stack_layers(rows)
-        self.rows = [stacked] if stacked is not None else [kvcache.fork_layer(r) for r in rows]
+        self.rows = [stacked] if stacked is not None else [fork_layer(r) for r in rows]
         self.sizes = [len(rows)] if stacked is not None else [1] * len(rows)  # batch rows each layer holds
         self.is_initialized = True
-        self.wants_query = any(getattr(r, "wants_query", False) for r in rows)
-        self.pending_query: torch.Tensor | None = None  # (B, Hq, n, D), handed to the rows that score attention
+        self.wants_query = any(wants_query(r) for r in rows)  # then `pending_query` is handed on to those rows
         self.streaming = False  # set by Batch.forward(stream=True): a chunk read as if fed one token at a time
 
     def slices(self):
@@ -100,7 +95,7 @@ class Rows(DynamicLayer):
         layer (not stacked) and is quantized with complete sinks (kernels/stream.py) or dense and self-contained
         (H2O rows, which score attention at every step, and transformers' quantized layers cannot)."""
         return all(n == 1 for n in self.sizes) and all(
-            kvstream.streamable(r) or (type(r) is DynamicLayer and not getattr(r, "wants_query", False)) for r in self.rows)
+            kvstream.streamable(r) or not own_layout(r) for r in self.rows)
 
     @record_function("kvlab.masks")
     def stream_mask(self, n: int, dtype: torch.dtype, device, query_heads: int) -> torch.Tensor:
@@ -123,17 +118,17 @@ class Rows(DynamicLayer):
     @record_function("kvlab.rows_update")
     def update(self, key_states, value_states, cache_kwargs=None):
         b, h, n, d = key_states.shape
+        self.fused_step = None
         if self.fused(n, key_states.device):  # store the token; attention reads each row's codes (see sdpa_gqa)
             steps = []
             for row, rows in self.slices():
                 k, v = key_states[rows], value_states[rows]
-                before = kvcache.fork_layer(row)
+                before = fork_layer(row)
                 row.append(k, v)
                 # The new token's query sees the codes, and every other token in full precision: the row itself
                 # when the append only grew its residual (no copy of it), else the row as it was, plus the token.
-                steps.append((row, None, None) if row.coded == before.coded else (before, k, v))
-            key_states = key_states.view_as(key_states)
-            key_states.fused = steps
+                steps.append(FusedRow(row, None, None) if row.coded == before.coded else FusedRow(before, k, v))
+            self.fused_step = steps
             return key_states, value_states
         if self.streaming and n > 1:
             return self._stream(key_states, value_states, cache_kwargs)
@@ -141,7 +136,7 @@ class Rows(DynamicLayer):
         values = torch.zeros_like(keys)
         for row, rows in self.slices():
             kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
-            if getattr(row, "wants_query", False):
+            if wants_query(row):
                 row.pending_query = self.pending_query[rows]
             k, v = row.update(key_states[rows], value_states[rows], kw)
             keys[rows, :, : k.shape[-2]], values[rows, :, : v.shape[-2]] = k, v
@@ -246,7 +241,7 @@ class Batch:
             own = any(own_layout(r) for r in rows)
             if own:
                 self.cache.layers[idx] = Rows(rows)
-            elif type(layer) in (DynamicLayer, Growing):
+            elif not isinstance(layer, DynamicSlidingWindowLayer):
                 self.cache.layers[idx] = Growing([_pad(r.keys, width) for r in rows], [_pad(r.values, width) for r in rows])
             else:  # a sliding-window layer keeps its own update (it drops what leaves the window)
                 layer.keys = torch.cat([_pad(r.keys, width) for r in rows])
@@ -256,7 +251,7 @@ class Batch:
             self.padded_rows.append(min(n) < width)  # dropping rows (keep) never adds padding
             self.masked.append(None if own else masked_entries(rows, width))  # Rows mask their own rows
         # position shift per row: re-rotated caches decode from their kept length, not the prompt's
-        self.shift = torch.tensor([getattr(c, "position_shift", 0) for c in caches], device=model.device)
+        self.shift = torch.tensor([c.position_shift if isinstance(c, KVCache) else 0 for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking
         self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
 
@@ -342,7 +337,7 @@ class Batch:
                 past_key_values=self.cache, position_ids=None,
             )
         try:
-            with per_layer_masks(model, masks), query_hooks(model, self.cache):
+            with per_layer_masks(model, masks), query_hooks(model, self.cache), reading(self.cache):
                 out = model(
                     input_ids=ids, attention_mask=layer_masks, past_key_values=self.cache, position_ids=pos,
                     use_cache=True, logits_to_keep=logits_to_keep,

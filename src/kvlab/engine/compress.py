@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
+from transformers.cache_utils import QuantizedLayer
 
 from kvlab.engine.model import attention_layers, is_sliding, language_model
 from kvlab.engine.prefill import Prefilled, shallow_copy
 from kvlab.kernels import kvcache, layouts
+from kvlab.kernels.layer import Masked, hidden_entries
 from kvlab.methods import Variant, layer_budgets
 
 
@@ -48,8 +50,9 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 if variant.kind != "kvpress":
                     raise ValueError(f"method '{variant.method}': {variant.params['press']} masks keys instead of evicting them; "
                                      "it cannot be composed with a quantized cache, use an evicting press (e.g. SnapKVPress)")
-                layer.masked = torch.zeros(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
-                layer.masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
+                masked = torch.zeros(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
+                masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
+                cache.layers[idx] = Masked(layer.keys, layer.values, masked)
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
     variant.impl.apply(model, cache, base, variant, sliding)
@@ -66,7 +69,7 @@ def rerotated(model, cache: DynamicCache, variant: Variant, context: int) -> Non
     if len(kept) != 1:
         raise ValueError(f"method '{variant.method}': KeyRerotationPress needs the same kept count in every layer "
                          f"(got {sorted(kept)}); per-layer budgets cannot share one decoding position")
-    cache.position_shift = kept.pop() - context
+    cache.position_shift = kept.pop() - context  # a KVCache, as every copy of a prefill is
 
 def held_tokens(layer) -> int:
     """Tokens a cache layer holds now (a sliding-window layer's get_seq_length counts every token it saw)."""
@@ -86,12 +89,12 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         tokens.append(held)
         measured = kvcache.layer_nbytes(layer)
         nbytes += measured
-        quantized = getattr(layer, "_quantized_keys", None)
+        quantized = layer._quantized_keys if isinstance(layer, QuantizedLayer) else None
         heads, d = (quantized if quantized is not None else layer.keys).shape[1::2]
-        masked = getattr(layer, "masked", None)
+        masked = hidden_entries(layer)
         kept += [held - int(m) for m in masked[0].sum(-1)] if masked is not None else [held] * heads
         token_bf16 = 2 * heads * d * 2
-        reference_bf16 += (held if getattr(layer, "is_sliding", False) else context) * token_bf16
+        reference_bf16 += (held if layer.is_sliding else context) * token_bf16
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
         if isinstance(layer, kvcache.QuantizedKVLayer):
             n = layer.counts()

@@ -10,9 +10,10 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from kvlab.engine.batch import Batch, own_layout
+from kvlab.engine.batch import Batch
 from kvlab.engine.model import is_sliding, stop_ids
 from kvlab.kernels import stream as kvstream
+from kvlab.kernels.layer import own_layout
 
 
 @torch.no_grad()

@@ -50,13 +50,20 @@ def capture(model, store: list):
             h.remove()
 
 
+class KVCache(DynamicCache):
+    """transformers' DynamicCache, plus what a batch of compressed caches reads: `position_shift`, set when a press
+    re-rotated the kept keys to positions 0…n-1 (the rows then decode from n: positions shift by n - context)."""
+
+    position_shift: int = 0
+
+
 @dataclass
 class Prefilled:
     """A prefilled prompt prefix: its cache, per-layer captures and length, and `shared`: what methods derive
     from the prefill alone, computed once for every variant compressed from it (e.g. H2O's received attention,
     the same at every budget)."""
 
-    cache: DynamicCache
+    cache: KVCache
     captures: list[LayerCapture]
     length: int
     shared: dict = field(default_factory=dict)
@@ -67,7 +74,7 @@ class Prefilled:
 def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
     """Run `ids` through the model (continuing `past` if given) with the full cache, capturing inputs."""
     device = model.device
-    cache = shallow_copy(past.cache) if past else DynamicCache(config=model.config)
+    cache = shallow_copy(past.cache) if past else KVCache(config=model.config)
     start = past.length if past else 0
     store: list[LayerCapture] = []
     x = torch.tensor([ids], device=device)
