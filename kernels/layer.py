@@ -7,9 +7,13 @@ window, quantized) answers the same questions without carrying kvlab's attribute
 
 * :func:`wants_query` — the engine's query hooks hand the layer its attention's queries (`pending_query`,
   (B, H_q, n, D)) before every update: layers that score attention themselves (H2O);
+* `KVLayer.streams` — a chunk of tokens can be fed in one pass and read as if fed one at a time (teacher forcing
+  a known path in one pass; quantized layers decide this in ``kvlab.kernels.stream``);
 * :func:`own_layout` — rows cannot be stacked with other rows' layers into one tensor (quantized storage, or a
   length that changes per row at every step): a batch keeps them apart, layer by layer;
 * :func:`hidden_entries` — entries a press hid from attention per KV head without freeing them (AdaKV);
+* `KVLayer.attends` — the keys each query may read, for layers that read only part of what they hold
+  (block-sparse reads), and `read_per_head`, what a decode step then reads;
 * `KVLayer.fused_step` — set by an update after which attention reads the stored codes itself (the decode
   kernel over quantized rows) instead of the keys and values the update returned;
 * :func:`fork_layer` — an independent copy that can be updated without touching the original.
@@ -38,6 +42,7 @@ class KVLayer(DynamicLayer):
 
     wants_query: ClassVar[bool] = False
     own_layout: ClassVar[bool] = False
+    streams: ClassVar[bool] = False  # a chunk can be fed in one pass and read as if fed one token at a time
     masked: torch.Tensor | None = None  # (1, H_kv, T) bool: the first T entries hidden from attention, still stored
     pending_query: torch.Tensor | None = None  # set by the query hooks when `wants_query`, consumed by `update`
     fused_step: list[FusedRow] | None = None  # set by an update whose attention reads codes (see `Rows`)
@@ -45,6 +50,17 @@ class KVLayer(DynamicLayer):
     def fork(self) -> "KVLayer":
         """An independent copy; subclasses whose updates write into shared tensors copy those too."""
         return copy.copy(self)
+
+    def attends(self, query: torch.Tensor, stepwise: bool) -> torch.Tensor | None:
+        """bool (B, H_kv, n, T): which of the T keys the last update returned each of the n queries (B, H_q, n, D)
+        may read, beyond the batch's mask; None to read them all (block-sparse reads select here). `stepwise`:
+        the n tokens are read as if fed one at a time (a one-token step, or a streamed chunk), not as a prefill."""
+        return None
+
+    def read_per_head(self) -> float | None:
+        """Key and value vectors per KV head a one-token decode step reads now, where that is not all the layer
+        holds (block-sparse reads); None when it reads everything it holds."""
+        return None
 
 
 class Masked(KVLayer):

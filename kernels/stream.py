@@ -25,11 +25,15 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.kvcache import QuantizedKVLayer
+from kvlab.kernels.layer import KVLayer
 
 
 def streamable(layer) -> bool:
-    """Whether `layer` can take several tokens in one pass as if one at a time (see the module docstring)."""
-    if not isinstance(layer, QuantizedKVLayer) or not layer.is_initialized:
+    """Whether `layer` can take several tokens in one pass as if one at a time (see the module docstring): a
+    quantized layer with its sinks complete, or a kvlab layer that says so (`KVLayer.streams`)."""
+    if not isinstance(layer, QuantizedKVLayer):
+        return isinstance(layer, KVLayer) and layer.streams
+    if not layer.is_initialized:
         return False
     held = 0 if layer.sink_keys is None else layer.sink_keys.shape[-2]
     return held >= layer.spec.sink_tokens

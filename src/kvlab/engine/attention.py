@@ -31,13 +31,31 @@ def reading(cache):
         _READING.reset(token)
 
 
-def fused_step(module):
-    """The `fused_step` of the cache layer `module` attends to in the forward pass under `reading`, or None."""
+def _layer(module) -> KVLayer | None:
+    """The kvlab cache layer `module` attends to in the forward pass under `reading`, or None."""
     cache = _READING.get()
-    if cache is None:
-        return None
-    layer = cache.layers[module.layer_idx]
-    return layer.fused_step if isinstance(layer, KVLayer) else None
+    layer = None if cache is None else cache.layers[module.layer_idx]
+    return layer if isinstance(layer, KVLayer) else None
+
+
+def fused_step(module):
+    """The `fused_step` of the cache layer `module` attends to (see `reading`), or None."""
+    layer = _layer(module)
+    return None if layer is None else layer.fused_step
+
+
+def restricted(module, query, key, mask):
+    """`mask` with the keys the cache layer does not let each query read (`KVLayer.attends`: block-sparse reads)
+    hidden: an additive (B, H_q, n, kv) mask; `mask` itself when the layer reads every key."""
+    layer = _layer(module)
+    allowed = None if layer is None else layer.attends(query, stepwise=query.shape[2] == 1)
+    if allowed is None:
+        return mask
+    b, hq, n, kv = query.shape[0], query.shape[1], query.shape[2], key.shape[-2]
+    allowed = torch.nn.functional.pad(allowed, (0, kv - allowed.shape[-1]), value=True)
+    allowed = allowed.repeat_interleave(hq // allowed.shape[1], dim=1)
+    base = torch.zeros(b, hq, n, kv, dtype=query.dtype, device=query.device) if mask is None else mask.expand(b, hq, n, kv)
+    return base.masked_fill(~allowed, torch.finfo(query.dtype).min)
 
 
 @record_function("kvlab.attention")
@@ -62,6 +80,7 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         return out.to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    attention_mask = restricted(module, query, key, attention_mask)
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if grouped_heads(query, key, causal):
         return _grouped(query, key, value, attention_mask, dropout, scaling), None

@@ -92,8 +92,9 @@ class Rows(KVLayer):
 
     def streamable(self) -> bool:
         """Whether a chunk of tokens can be fed to every row in one pass as if one at a time: each row is its own
-        layer (not stacked) and is quantized with complete sinks (kernels/stream.py) or dense and self-contained
-        (H2O rows, which score attention at every step, and transformers' quantized layers cannot)."""
+        layer (not stacked) and is quantized with complete sinks or says it streams (kernels/stream.py:
+        block-sparse reads), or dense and self-contained (H2O rows, which score attention at every step, and
+        transformers' quantized layers cannot)."""
         return all(n == 1 for n in self.sizes) and all(
             kvstream.streamable(r) or not own_layout(r) for r in self.rows)
 
@@ -142,6 +143,20 @@ class Rows(KVLayer):
             keys[rows, :, : k.shape[-2]], values[rows, :, : v.shape[-2]] = k, v
         self.pending_query = None
         return keys, values
+
+    def attends(self, query: torch.Tensor, stepwise: bool) -> torch.Tensor | None:
+        """The rows' own restrictions (`KVLayer.attends`), each row's keys left-aligned as `update` returns them;
+        None when no row restricts. A streamed chunk is read stepwise whatever `stepwise` says."""
+        stepwise = stepwise or self.streaming
+        parts = [(rows, row.attends(query[rows], stepwise)) for row, rows in self.slices() if isinstance(row, KVLayer)]
+        parts = [(rows, a) for rows, a in parts if a is not None]
+        if not parts:
+            return None
+        ref, width = parts[0][1], max(a.shape[-1] for _, a in parts)  # sdpa_gqa pads to the keys' width
+        out = torch.ones(query.shape[0], ref.shape[1], query.shape[2], width, dtype=torch.bool, device=ref.device)
+        for rows, a in parts:
+            out[rows, :, :, : a.shape[-1]] = a
+        return out
 
     def _stream(self, key_states, value_states, cache_kwargs):
         """Feed a chunk to every row as if one token at a time (see `stream_mask`); keys right-padded."""
