@@ -18,7 +18,8 @@ import yaml
 from conftest import job_counts, snakemake
 from kvlab.compare_runs import compare
 from kvlab.config import CALIBRATION_TABLES, resolve
-from kvlab.methods import evicts
+from kvlab.kernels.block_sparse import read_tokens
+from kvlab.methods import evicts, kind_of
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,15 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     assert con.execute(f"SELECT count(*) FROM eval WHERE {exact} AND kv_bytes <> kv_bytes_formula").fetchone() == (0,)
     masked = con.execute(f"SELECT DISTINCT method, kv_tokens_mean = compressed_tokens FROM eval WHERE {masks}").fetchall()
     assert masked == [("adakv", True)]  # every prompt token still stored
+    # block-sparse reads store the whole prompt; a step reads the budget's blocks plus the block summaries scored
+    sparse = con.execute("SELECT DISTINCT method, budget, compressed_tokens, kv_tokens_mean, kv_read_mean, kv_read_fraction "
+                         "FROM eval WHERE method_kind = 'block_sparse' ORDER BY ALL").fetchall()
+    assert {(m, b) for m, b, *_ in sparse} == {("moba", 0.25), ("moba", 0.5), ("quest", 0.25), ("quest", 0.5)}
+    for method, budget, context, stored, read, share in sparse:
+        kind = kind_of(config["methods"][method])
+        want = read_tokens(context, kind.params["block"], kind.top_k(budget, context), kind.params["selector"])
+        assert stored == context and read == want and share == pytest.approx(want / context), (method, budget, context)
+    assert con.execute("SELECT count(*) FROM eval WHERE method_kind <> 'block_sparse' AND kv_read_mean <> kv_kept_mean").fetchone() == (0,)
     # per-layer budgets (PyramidKV, calibrated layer budgets) round per layer: under one token (256 B) per layer off
     split = con.execute(f"SELECT DISTINCT method FROM eval WHERE ({per_layer}) AND NOT {masks}").fetchall()
     assert sorted(split) == [("pyramidkv",), ("snapkv_layers",)]

@@ -37,7 +37,8 @@ def test_sections_and_queries_present(page):
                   "Engine vs kvpress pipeline", "Cost table (article §8, recomputed)",
                   "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
-                  "Calibration: what the cache and attention look like", "Quantized KV caches"):
+                  "Calibration: what the cache and attention look like", "Quantized KV caches",
+                  "Block-sparse reads, post hoc (article §6)"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
@@ -51,7 +52,7 @@ def test_sections_and_queries_present(page):
     c3 = page[page.index("C3 FP8 KL ≈ 1e-3 nat: "):][:300]
     assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ") and "nat (too few samples to bound it), n=1 at 256" in c3
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
-    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 15)} <= set(claims)
+    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 16)} <= set(claims)
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):
@@ -357,3 +358,32 @@ def test_divergence_bounds_resample_samples_not_turns():
     out = with_bounds(div, Rule()).set_index("method")
     assert "kl_each" not in out and out.loc["x", "kl_low"] < out.loc["x", "kl_mean_nats"] < out.loc["x", "kl_high"]
     assert out.loc["y"][["kl_low", "kl_high"]].isna().all()
+
+
+def sparse_answers(moba: float, quest: float, n: int = 20, budget: float = 0.25) -> pd.DataFrame:
+    """The answers query's prose rows of two block-sparse methods (per-sample KL ±10% around the given means),
+    and a SnapKV method and a scored task that C15 must not read."""
+    rows = [{"model": "m", "method": m, "method_kind": "block_sparse", "press": None, "wrapper": None, "scheme": None,
+             "budget": budget, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}", "turn": 1, "score": None,
+             "full_score": None, "kl_vs_full": kl * (0.9 + 0.2 * i / (n - 1))}
+            for m, kl in (("moba", moba), ("quest", quest)) for i in range(n)]
+    rows += [{**r, "method": "snapkv", "method_kind": "kvpress", "press": "SnapKVPress", "kl_vs_full": 0.0} for r in rows[:n]]
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("moba, quest, n, expected", [
+    (0.3, 0.05, 20, "holds"),  # both measurably not exact
+    (0.3, 0.001, 20, "does not hold"),  # Quest as good as exact
+    (0.3, 0.01, 20, "inconclusive"),  # Quest's bounds straddle the line
+    (0.3, 0.05, 5, "inconclusive"),  # too few samples to bound a KL
+])
+def test_block_sparse_claim_follows_its_kl_bounds(moba, quest, n, expected):
+    q = {"answers": sparse_answers(moba, quest, n), "noise_floor": noise()}
+    (claim, verdict, evidence), = claim_verdicts([15], q)
+    assert claim.startswith("C15") and "25%" in claim and verdict == expected
+    assert "moba" in evidence and "quest" in evidence and "snapkv" not in evidence and "Noise floor" in evidence
+
+
+def test_block_sparse_claim_not_measured_at_other_budgets():
+    q = {"answers": sparse_answers(0.3, 0.05, budget=0.5), "noise_floor": noise()}
+    assert claim_verdicts([15], q)[0][1] == "not measured"

@@ -83,7 +83,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     the uncompressed context in bf16 (codes and metadata as stored; full-precision residual, sinks and dense
     entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
     nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
-    tokens, kept, reads, held_heads = [], [], [], 0
+    tokens, kept, reads, context_heads = [], [], [], 0
     for layer in cache.layers:
         held = held_tokens(layer)
         tokens.append(held)
@@ -96,7 +96,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         kept += attended
         read = layer.read_per_head() if isinstance(layer, KVLayer) else None
         reads += attended if read is None else [read] * heads
-        held_heads += held * heads
+        context_heads += (held if layer.is_sliding else context) * heads
         token_bf16 = 2 * heads * d * 2
         reference_bf16 += (held if layer.is_sliding else context) * token_bf16
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
@@ -120,9 +120,9 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
         # tokens each (layer, KV head) attends to: below kv_tokens_mean only for presses that mask without freeing
         "kv_kept_heads": kept, "kv_kept_mean": float(sum(kept) / len(kept)), "kv_kept_min": int(min(kept)),
-        # K/V vectors per (layer, KV head) one decode step reads, and their share of what is held: below the kept
-        # tokens only for block-sparse reads (block summaries counted), which keep everything
-        "kv_read_mean": float(sum(reads) / len(reads)), "kv_read_fraction": sum(reads) / held_heads,
+        # K/V vectors per (layer, KV head) one decode step reads, and their share of the uncompressed context's:
+        # the kept tokens, except for block-sparse reads (block summaries counted), which keep everything
+        "kv_read_mean": float(sum(reads) / len(reads)), "kv_read_fraction": sum(reads) / context_heads,
         "compression_vs_bf16": reference_bf16 / stored_bf16,
         # the quantized tokens alone: bf16 bytes / their codes and metadata (the steady-state ratio)
         "codes_vs_bf16": code_tokens_bf16 / code_bytes if code_bytes else float("nan"),

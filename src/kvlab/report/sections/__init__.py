@@ -5,7 +5,7 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
+    accuracy, block_sparse, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
     eval_cost, eviction, kernels, lengths, models, power, provenance, quant, summary, tasks, throughput, verdict_grid,
 )
 
@@ -17,6 +17,7 @@ SECTIONS = [
     power,
     accuracy,
     eviction,
+    block_sparse,
     calibration,
     quant,
     divergence,
