@@ -98,9 +98,10 @@ def run_job(
     # quantized caches the engine already wrote codes + metadata + residual for the tokens held.
     geom = KVGeometry.from_card(card)
     dense = frame["scheme"].isna()
+    kept = {(v.method, v.budget): v.impl.kept_share(v.budget) for v in grid}  # the share a budget keeps
     frame.loc[dense, "kv_bytes_formula"] = [
-        context_bytes(geom, Scheme.dense(run["dtype"]).with_keep(b), n)
-        for b, n in zip(frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"])
+        context_bytes(geom, Scheme.dense(run["dtype"]).with_keep(kept[m, b]), n)
+        for m, b, n in zip(frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"])
     ]
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())

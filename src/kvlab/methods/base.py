@@ -34,6 +34,10 @@ class MethodKind:
         """Whether it keeps a fraction of the context, and so runs at every budget (any method with a press)."""
         return "press" in self.params
 
+    def kept_share(self, budget: float) -> float:
+        """The share of the context's entries a variant at `budget` keeps, as the byte formula prices it."""
+        return budget
+
     @property
     def quantized(self) -> bool:
         """Whether its cache layers hold codes (such rows are batched layer by layer, one row each)."""
