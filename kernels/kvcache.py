@@ -331,6 +331,8 @@ def layer_nbytes(layer) -> int:
     """Bytes one cache layer really stores, whatever its class."""
     if isinstance(layer, QuantizedKVLayer):
         return layer.nbytes()
+    if isinstance(layer, KVLayer) and layer.shares is not None:
+        return 0  # another layer's keys and values: counted there
     dense = tensor_nbytes(layer.keys) + tensor_nbytes(layer.values)
     if isinstance(layer, QuantizedLayer) and layer.is_initialized:  # transformers' own: codes packed by its backend, plus a dense residual
         return dense + tensor_nbytes(layer._quantized_keys) + tensor_nbytes(layer._quantized_values)

@@ -16,6 +16,8 @@ window, quantized) answers the same questions without carrying kvlab's attribute
   (block-sparse reads), and `read_per_head`, what a decode step then reads;
 * `KVLayer.fused_step` — set by an update after which attention reads the stored codes itself (the decode
   kernel over quantized rows) instead of the keys and values the update returned;
+* `KVLayer.shares` — the index of the layer whose keys and values this one holds instead of its own (cross-layer
+  sharing): it stores no bytes of its own, and its update takes that layer's new keys and values;
 * :func:`fork_layer` — an independent copy that can be updated without touching the original.
 """
 
@@ -46,6 +48,7 @@ class KVLayer(DynamicLayer):
     masked: torch.Tensor | None = None  # (1, H_kv, T) bool: the first T entries hidden from attention, still stored
     pending_query: torch.Tensor | None = None  # set by the query hooks when `wants_query`, consumed by `update`
     fused_step: list[FusedRow] | None = None  # set by an update whose attention reads codes (see `Rows`)
+    shares: int | None = None  # the layer whose keys and values it holds instead of its own (cross-layer sharing)
 
     def fork(self) -> "KVLayer":
         """An independent copy; subclasses whose updates write into shared tensors copy those too."""

@@ -61,8 +61,12 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     # Bytes are read from the stored tensors. Dense rows: tokens held × 512 B (2 layers × K,V × 2 KV heads × 16
     # dims × fp32); the formula prices what the budget asks, so it matches wherever every layer and head keeps
     # exactly that — not PyramidKV's per-layer split, and not AdaKV, which masks keys and frees nothing.
-    dense = "scheme IS NULL"
+    dense = "scheme IS NULL AND method_kind <> 'cross_layer'"
     assert con.execute(f"SELECT count(*) FROM eval WHERE {dense} AND kv_bytes <> 512 * kv_tokens_mean").fetchone() == (0,)
+    # cross-layer sharing (CLA-2): layer 1 holds layer 0's K/V and stores nothing: half of it
+    cla = con.execute("SELECT count(*), min(kv_bytes = 256 * kv_tokens_mean), min(compression_vs_bf16) FROM eval "
+                      "WHERE method_kind = 'cross_layer'").fetchone()
+    assert cla[0] > 0 and cla[1:] == (True, 2.0)
     per_layer = "press = 'PyramidKVPress' OR layer_budgets"  # budgets split by layer
     masks = "kv_kept_mean < kv_tokens_mean"
     exact = f"NOT coalesce({per_layer}, false) AND NOT {masks}"

@@ -38,7 +38,7 @@ def test_sections_and_queries_present(page):
                   "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches",
-                  "Block-sparse reads, post hoc (article §6)"):
+                  "Trained-for structures, applied post hoc (article §5–§6)"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
@@ -52,7 +52,7 @@ def test_sections_and_queries_present(page):
     c3 = page[page.index("C3 FP8 KL ≈ 1e-3 nat: "):][:300]
     assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ") and "nat (too few samples to bound it), n=1 at 256" in c3
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
-    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 16)} <= set(claims)
+    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 17)} <= set(claims)
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):
@@ -387,3 +387,12 @@ def test_block_sparse_claim_follows_its_kl_bounds(moba, quest, n, expected):
 def test_block_sparse_claim_not_measured_at_other_budgets():
     q = {"answers": sparse_answers(0.3, 0.05, budget=0.5), "noise_floor": noise()}
     assert claim_verdicts([15], q)[0][1] == "not measured"
+
+
+@pytest.mark.parametrize("kl, expected", [(0.2, "holds"), (0.002, "does not hold")])
+def test_cross_layer_claim_follows_its_kl_bounds(kl, expected):
+    rows = sparse_answers(0.3, 0.05).assign(method="cla2", method_kind="cross_layer", budget=1.0)
+    rows = rows[rows["press"].isna()].drop_duplicates("sample_id").assign(kl_vs_full=lambda r: kl * (0.9 + 0.2 * r.index / 19))
+    q = {"answers": pd.concat([rows, sparse_answers(0.3, 0.05)]), "noise_floor": noise()}
+    (claim, verdict, evidence), = claim_verdicts([16], q)
+    assert claim.startswith("C16") and verdict == expected and evidence.startswith("cla2 ") and "moba" not in evidence

@@ -136,7 +136,7 @@ class Rows(KVLayer):
         keys = key_states.new_zeros(b, h, max(self.held()) + n, d)
         values = torch.zeros_like(keys)
         for row, rows in self.slices():
-            kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            kw = _row_kwargs(cache_kwargs, rows)
             if wants_query(row):
                 row.pending_query = self.pending_query[rows]
             k, v = row.update(key_states[rows], value_states[rows], kw)
@@ -162,7 +162,7 @@ class Rows(KVLayer):
         """Feed a chunk to every row as if one token at a time (see `stream_mask`); keys right-padded."""
         parts = []
         for row, rows in self.slices():
-            kw = cache_kwargs and {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+            kw = _row_kwargs(cache_kwargs, rows)
             update = kvstream.stream_update if isinstance(row, kvcache.QuantizedKVLayer) else type(row).update
             parts.append(update(row, key_states[rows], value_states[rows], kw))
         width = max(k.shape[-2] for k, _ in parts)
@@ -245,6 +245,8 @@ class Batch:
     def __init__(self, model, caches: list[DynamicCache]):
         self.model = model
         self.cache = shallow_copy(caches[0])
+        if isinstance(self.cache, KVCache):
+            self.cache.fed = {}  # each layer's new K/V per forward pass, for rows whose layers share (KVCache)
         self.lengths: list[torch.Tensor] = []
         self.padded: list[int] = []
         self.masked: list[torch.Tensor | None] = []  # (B, H_kv, width): entries a masking press hides, per layer
@@ -362,6 +364,17 @@ class Batch:
                 layer.streaming = False
         self.fed += n
         return out.logits
+
+
+def _row_kwargs(cache_kwargs: dict | None, rows: slice) -> dict | None:
+    """A layer update's keyword arguments for some batch rows: per-row tensors (B, n, D: RoPE tables) and the
+    forward pass's new keys and values per layer (`fed`, see KVCache) sliced to those rows."""
+    if not cache_kwargs:
+        return cache_kwargs
+    out = {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
+    if "fed" in out:
+        out["fed"] = {idx: (k[rows], v[rows]) for idx, (k, v) in out["fed"].items()}
+    return out
 
 
 def _pad(x: torch.Tensor, width: int) -> torch.Tensor:

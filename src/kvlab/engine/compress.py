@@ -115,7 +115,8 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2
         else:
             formula += measured
-            stored_bf16 += dense * 2
+            shared = isinstance(layer, KVLayer) and layer.shares is not None  # stores nothing: counted at its source
+            stored_bf16 += 0 if shared else dense * 2
     return {
         "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
         # tokens each (layer, KV head) attends to: below kv_tokens_mean only for presses that mask without freeing

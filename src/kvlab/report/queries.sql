@@ -343,13 +343,13 @@ SELECT model, task, context_tokens, question_mode, method, method_kind, budget, 
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 ORDER BY model, task, context_tokens, method, budget DESC, sample_id, question_mode, turn;
 
--- name: block_reads
--- What one decode step reads and what is stored, per block-sparse method (and SnapKV evicting to the same
--- budget, for comparison), budget and context: shares of the context, from the rows' cache statistics.
+-- name: posthoc_reads
+-- What one decode step reads and what is stored, per block-sparse or cross-layer method (and SnapKV evicting to
+-- the same budget, for comparison), budget and context: shares of the context, from the rows' cache statistics.
 SELECT model, method, method_kind, budget, context_tokens,
        avg(kv_read_fraction) AS read_share, avg(kv_read_mean) AS read_tokens_per_head,
        avg(1 / compression_vs_bf16) AS stored_share_bf16, count(*) AS rows
 FROM eval
-WHERE method_kind = 'block_sparse'
+WHERE method_kind IN ('block_sparse', 'cross_layer')
    OR (press = 'SnapKVPress' AND wrapper IS NULL AND scheme IS NULL)
 GROUP BY ALL ORDER BY model, method, budget DESC, context_tokens;

@@ -5,8 +5,8 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, block_sparse, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
-    eval_cost, eviction, kernels, lengths, models, power, provenance, quant, summary, tasks, throughput, verdict_grid,
+    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
+    eval_cost, eviction, kernels, lengths, models, posthoc, power, provenance, quant, summary, tasks, throughput, verdict_grid,
 )
 
 SECTIONS = [
@@ -17,7 +17,7 @@ SECTIONS = [
     power,
     accuracy,
     eviction,
-    block_sparse,
+    posthoc,
     calibration,
     quant,
     divergence,
