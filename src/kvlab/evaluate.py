@@ -14,7 +14,7 @@ from tqdm import tqdm
 from kvlab.engine import evaluate_samples
 from kvlab.hardware import device_name
 from kvlab.io import write_parquet
-from kvlab.kernels.accounting import KVGeometry, Scheme, context_bytes
+from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
@@ -98,9 +98,9 @@ def run_job(
     # quantized caches the engine already wrote codes + metadata + residual for the tokens held.
     geom = KVGeometry.from_card(card)
     dense = frame["scheme"].isna()
-    kept = {(v.method, v.budget): v.impl.kept_share(v.budget) for v in grid}  # the share a budget keeps
+    kinds = {(v.method, v.budget): v.impl for v in grid}
     frame.loc[dense, "kv_bytes_formula"] = [
-        context_bytes(geom, Scheme.dense(run["dtype"]).with_keep(kept[m, b]), n)
+        kinds[m, b].formula_bytes(geom, run["dtype"], b, n)
         for m, b, n in zip(frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"])
     ]
     frame["device"] = device_name(run["device"])

@@ -34,9 +34,13 @@ class MethodKind:
         """Whether it keeps a fraction of the context, and so runs at every budget (any method with a press)."""
         return "press" in self.params
 
-    def kept_share(self, budget: float) -> float:
-        """The share of the context's entries a variant at `budget` keeps, as the byte formula prices it."""
-        return budget
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int) -> int:
+        """The byte formula of a dense cache this kind leaves after a `tokens` prompt at `budget` (the row's
+        kv_bytes_formula, beside the measured bytes; quantized kinds' rows carry the engine's own): the budget's
+        share of the context at the run's dtype (`geom`: kvlab.kernels.accounting.KVGeometry)."""
+        from kvlab.kernels.accounting import Scheme, context_bytes
+
+        return context_bytes(geom, Scheme.dense(dtype).with_keep(budget), tokens)
 
     @property
     def quantized(self) -> bool:
