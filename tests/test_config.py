@@ -141,7 +141,7 @@ BAD = [
      "preset 'default': key 'methods.snapkv_merge.wrapper': MergingPress wraps only a ScorerPress, and ThinKPress is not one"),
     (("methods", "full2"), {"kind": "full"}, "preset 'default': key 'methods': 2 methods of kind 'full' (full, full2); keep exactly one"),
     (("methods", "snapkv", "kind"), DELETE,
-     "config: key 'methods.snapkv': missing 'kind' (required); one of: full, kvpress, h2o, quant, hf_quantized, block_sparse, cross_layer"),
+     "config: key 'methods.snapkv': missing 'kind' (required); one of: full, kvpress, h2o, quant, hf_quantized, block_sparse, cross_layer, prompt_compression"),
     (("methods", "moba", "selector"), DELETE, "config: key 'methods.moba': missing required key 'selector'"),
     (("methods", "moba", "selector"), "nsa", "config: key 'methods.moba.selector': 'nsa' is not allowed; allowed: moba, quest"),
     (("methods", "moba", "block"), 0, "config: key 'methods.moba.block': 0 must be >= 1"),

@@ -38,7 +38,7 @@ def test_sections_and_queries_present(page):
                   "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches",
-                  "Trained-for structures, applied post hoc (article §5–§6)"):
+                  "Trained-for structures, applied post hoc (article §5–§6)", "Prompt compression (article §7)"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
@@ -52,7 +52,7 @@ def test_sections_and_queries_present(page):
     c3 = page[page.index("C3 FP8 KL ≈ 1e-3 nat: "):][:300]
     assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ") and "nat (too few samples to bound it), n=1 at 256" in c3
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
-    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 17)} <= set(claims)
+    assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 18)} <= set(claims)
 
 
 def test_title_from_config_is_escaped(smoke_run, tmp_path):
@@ -396,3 +396,15 @@ def test_cross_layer_claim_follows_its_kl_bounds(kl, expected):
     q = {"answers": pd.concat([rows, sparse_answers(0.3, 0.05)]), "noise_floor": noise()}
     (claim, verdict, evidence), = claim_verdicts([16], q)
     assert claim.startswith("C16") and verdict == expected and evidence.startswith("cla2 ") and "moba" not in evidence
+
+
+@pytest.mark.parametrize("lost, expected", [(0.4, "holds"), (0.0, "does not hold")])
+def test_prompt_compression_claim_follows_the_paired_drop(lost, expected):
+    n = 200
+    rows = pd.DataFrame([{"model": "m", "method": "lingua", "method_kind": "prompt_compression", "shape": "single needle",
+                          "budget": 0.5, "sample_id": f"s{i}", "question_mode": mode, "turn": 1, "full_score": 1.0,
+                          "score": float(i >= lost * n), "kv_fraction_bf16": 0.5, "kl_vs_full": None}
+                         for i in range(n) for mode in ("agnostic", "aware")])
+    (claim, verdict, evidence), = claim_verdicts([17], {"answers": rows})
+    assert claim.startswith("C17 prompt compression to 50%") and verdict == expected and f"over {2 * n} answers" in evidence
+    assert claim_verdicts([17], {"answers": rows.assign(budget=0.25)})[0][1] == "not measured"

@@ -100,8 +100,8 @@ def run_job(
     dense = frame["scheme"].isna()
     kinds = {(v.method, v.budget): v.impl for v in grid}
     frame.loc[dense, "kv_bytes_formula"] = [
-        kinds[m, b].formula_bytes(geom, run["dtype"], b, n)
-        for m, b, n in zip(frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"])
+        kinds[m, b].formula_bytes(geom, run["dtype"], b, n, held) for m, b, n, held in zip(
+            frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"], frame.loc[dense, "kv_tokens_mean"])
     ]
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())

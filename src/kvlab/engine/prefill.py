@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -76,6 +77,8 @@ class Prefilled:
     captures: list[LayerCapture]
     length: int
     shared: dict = field(default_factory=dict)
+    ids: list[int] = field(default_factory=list)  # every token fed (a continuation: the earlier ones first)
+    span: tuple[int, int] | None = None  # positions prompt compression may drop (the user's text; see evaluate_samples)
 
 
 @torch.no_grad()
@@ -92,7 +95,22 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
         model.model(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True)
     if past:
         store = [a.extend(b) for a, b in zip(past.captures, store)]
-    return Prefilled(cache, store, start + len(ids))
+    return Prefilled(cache, store, start + len(ids), ids=(past.ids if past else []) + list(ids),
+                     span=past.span if past else None)
+
+
+@torch.no_grad()
+@record_function("kvlab.self_information")
+def self_information(model, ids: list[int], chunk: int = 256) -> list[float]:
+    """−log p(ids[t] | ids[:t]) in nats under `model` for every position (position 0, with nothing before it:
+    +inf, never dropped); the vocabulary's log-softmax taken `chunk` positions at a time."""
+    hidden = model.model(input_ids=torch.tensor([ids], device=model.device)).last_hidden_state[0]
+    target = torch.tensor(ids[1:], device=model.device)
+    out = [math.inf]
+    for s in range(0, len(ids) - 1, chunk):
+        logp = model.lm_head(hidden[s : s + chunk]).float().log_softmax(-1)
+        out += (-logp.gather(-1, target[s : s + chunk, None])[:, 0]).tolist()
+    return out
 
 def shallow_copy(cache: DynamicCache) -> DynamicCache:
     """A cache whose layers can be reassigned without touching `cache`; the tensors are shared, which is

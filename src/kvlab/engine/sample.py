@@ -44,6 +44,7 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
     p = sample.prompt
     t0 = time.perf_counter()
     context = prefill(model, p.context)
+    context.span = (p.head, len(p.context))  # prompt compression drops only from the user's text
     prefill_s = {"agnostic": time.perf_counter() - t0}
     bases = {"agnostic": (context, p.question + p.suffix)}
     if any(QUESTION_MODES[m][0] == "aware" for m in modes) and p.question:

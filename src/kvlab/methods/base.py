@@ -34,10 +34,11 @@ class MethodKind:
         """Whether it keeps a fraction of the context, and so runs at every budget (any method with a press)."""
         return "press" in self.params
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
         """The byte formula of a dense cache this kind leaves after a `tokens` prompt at `budget` (the row's
         kv_bytes_formula, beside the measured bytes; quantized kinds' rows carry the engine's own): the budget's
-        share of the context at the run's dtype (`geom`: kvlab.kernels.accounting.KVGeometry)."""
+        share of the context at the run's dtype (`geom`: kvlab.kernels.accounting.KVGeometry). `held`: the
+        tokens the cache was measured to hold per layer, for kinds whose count only the prompt decides."""
         from kvlab.kernels.accounting import Scheme, context_bytes
 
         return context_bytes(geom, Scheme.dense(dtype).with_keep(budget), tokens)

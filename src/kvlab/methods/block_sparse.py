@@ -21,8 +21,8 @@ class BlockSparse(MethodKind):
     def evicts(self) -> bool:
         return True  # runs at every budget: the share read per step
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int) -> int:
-        return super().formula_bytes(geom, dtype, 1.0, tokens)  # every entry is kept; the budget is what a step reads
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
+        return super().formula_bytes(geom, dtype, 1.0, tokens, held)  # every entry is kept; the budget is what a step reads
 
     def top_k(self, budget: float, context: int) -> int:
         return max(1, round(budget * context / self.params["block"]))

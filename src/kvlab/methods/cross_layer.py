@@ -17,11 +17,11 @@ class CrossLayer(MethodKind):
 
     name = "cross_layer"
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
         """The full cache's bytes times the share of layers that store: the first of each group of `every`
         (exact when every layer is full-attention; sliding-window layers are not placed by the geometry)."""
         storing = -(-geom.layers // self.params["every"])
-        return super().formula_bytes(geom, dtype, 1.0, tokens) * storing // geom.layers
+        return super().formula_bytes(geom, dtype, 1.0, tokens, held) * storing // geom.layers
 
     def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
         """Every full-attention layer that is not the first of its group becomes a layer sharing that first

@@ -1,8 +1,8 @@
-"""The study's claims C1–C16 in one table: what each says, the rule and thresholds that decide it, the queries
+"""The study's claims C1–C17 in one table: what each says, the rule and thresholds that decide it, the queries
 (queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, decision.c12).
 
 The claims section lists every claim; the calibration, quantization and eviction sections list their own.
-Statistical claims (C3–C8, C11, C12, C15, C16) are decided from one-sided 95% bounds (kvlab.report.stats): holds, does
+Statistical claims (C3–C8, C11, C12, C15–C17) are decided from one-sided 95% bounds (kvlab.report.stats): holds, does
 not hold or inconclusive; C1, C2 (descriptive statistics of the calibration pass), C9, C13 and C14 (arithmetic:
 the formula on the model geometry) and C10 (bytes counted) are not sampled and are decided on their numbers.
 """
@@ -17,7 +17,7 @@ import pandas as pd
 
 from kvlab.report import decision
 from kvlab.report.decision import Rule
-from kvlab.report.verdicts import calibration, cost, eviction, posthoc, quant
+from kvlab.report.verdicts import calibration, cost, eviction, posthoc, prompt, quant
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ CLAIMS = [
     Claim(16, "C16 cross-layer sharing is a training-time decision: CLA post hoc (half the bytes) is not exact",
           ("answers", "noise_floor"), posthoc.c16, "lower bound of the mean per-token KL ≥ {kl:g} nat for every method",
           {"kl": 0.01}),
+    Claim(17, "C17 prompt compression to {budget:.0%} of the text loses the needle's detail", ("answers",), prompt.c17,
+          "lower bound of the drop vs full > {tolerance_points:g} points (single needle, question modes pooled)",
+          {"budget": 0.5}),
 ]
 BY_NUMBER = {c.number: c for c in CLAIMS}
 

@@ -37,6 +37,7 @@ class Prompt:
     followups: tuple[Turn, ...] = ()
     reference: list[int] = field(default_factory=list)
     text: tuple[str, str] = ("", "")  # the user's text before the question, and the question (un-templated)
+    head: int = 0  # context tokens of the chat template before the user's text (kept by prompt compression)
 
     @property
     def tokens(self) -> int:
@@ -121,6 +122,8 @@ def chat_prompt(tokenizer, before: str, question: str, followups: list[tuple[str
     is the template's rendering of the conversation so far, minus what the engine already fed.
     """
     head, q, suffix = chat_pieces(tokenizer, before, question)
+    context, template = encode(tokenizer, head), encode(tokenizer, chat_pieces(tokenizer, "", question)[0])
+    shared = next((i for i, (a, b) in enumerate(zip(context, template)) if a != b), min(len(context), len(template)))
     messages = [{"role": "user", "content": before + question}]
     fed = head + q + suffix
     turns = []
@@ -132,7 +135,7 @@ def chat_prompt(tokenizer, before: str, question: str, followups: list[tuple[str
         turns.append(Turn(encode(tokenizer, rendered[len(fed) :]), list(gold)))
         fed = rendered
     return Prompt(
-        encode(tokenizer, head), encode(tokenizer, q), encode(tokenizer, suffix), tuple(turns), text=(before, question)
+        context, encode(tokenizer, q), encode(tokenizer, suffix), tuple(turns), text=(before, question), head=shared
     )
 
 

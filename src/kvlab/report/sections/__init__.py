@@ -6,7 +6,7 @@ Adding a section: a module here and one line in SECTIONS.
 
 from kvlab.report.sections import (
     accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
-    eval_cost, eviction, kernels, lengths, models, posthoc, power, provenance, quant, summary, tasks, throughput, verdict_grid,
+    eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, summary, tasks, throughput, verdict_grid,
 )
 
 SECTIONS = [
@@ -18,6 +18,7 @@ SECTIONS = [
     accuracy,
     eviction,
     posthoc,
+    prompt,
     calibration,
     quant,
     divergence,
