@@ -643,6 +643,24 @@ def test_first_divergence_finds_the_first_other_choice():
     assert first_divergence(choice, [5, 6, 7]) == [None, 1, 0, 2]
 
 
+def test_divergence_is_kl_and_nll_per_row_against_the_reference_row():
+    """divergence's row-by-row KL equals KL(ref || row) from scipy, and its NLL the path's mean -log p."""
+    from scipy.special import rel_entr
+
+    from kvlab.engine import divergence
+
+    gen = torch.Generator().manual_seed(3)
+    logp = torch.log_softmax(torch.randn(3, 4, 11, generator=gen, dtype=torch.float64), -1)
+    path = [2, 7, 0, 10]
+    rows = divergence(logp, path, ref=1)
+    p = logp.exp().numpy()
+    for b, row in enumerate(rows):
+        kl = rel_entr(p[1], p[b]).sum(-1)
+        assert row["kl_vs_full"] == pytest.approx(kl.mean(), abs=1e-12) and row["kl_max"] == pytest.approx(kl.max(), abs=1e-12)
+        assert row["nll"] == pytest.approx(-float(sum(logp[b, t, tok] for t, tok in enumerate(path))) / 4, abs=1e-12)
+    assert rows[1]["kl_vs_full"] == 0.0
+
+
 def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
     """decode_references: full caches of different prompts (different lengths, tails and positions) decoded
     together give each one's own greedy answer."""
