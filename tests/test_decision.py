@@ -58,12 +58,13 @@ def comparison_rows(int4=1.0, fp8_snap=1.0, h2o=0.2, mt_int4=1.0, mt_evict=0.0):
 
 
 def test_article_comparison_agrees_where_the_data_say_what_the_article_says():
-    out = article_comparison(comparison_rows()).set_index(["our shape", "article says"])["this run"]
-    assert out[("single needle", "INT4 KV is safe")] == "agrees"
-    assert out[("single needle", "FP8 + SnapKV 25% is safe")] == "agrees"
-    assert out[("single needle", "H2O is not safe")] == "agrees"
-    assert out[("multi-turn", "no eviction is safe")] == "agrees"
-    assert out[("recency", "StreamingLLM is safe")] == "not measured"
+    out = article_comparison(comparison_rows()).set_index(["our shape", "question modes", "article says"])["this run"]
+    assert out[("single needle", "aware", "INT4 KV is safe")] == "agrees"
+    assert out[("single needle", "aware", "FP8 + SnapKV 25% is safe")] == "agrees"
+    assert out[("single needle", "aware", "H2O is not safe")] == "agrees"
+    assert out[("single needle", "agnostic", "INT4 KV is safe")] == "not measured"  # no agnostic INT4 rows
+    assert out[("multi-turn", "multi_turn, agnostic", "no eviction is safe")] == "agrees"
+    assert out[("recency", "agnostic", "StreamingLLM is safe")] == "not measured"
     verdict, evidence = c12_verdict(article_comparison(comparison_rows()))
     assert verdict == "holds" and evidence.startswith("5 of 5 testable statements agree")
 
@@ -114,7 +115,49 @@ def test_decision_table_names_undecided_methods_inconclusive_not_safe():
 
 def test_article_comparison_is_inconclusive_on_too_few_samples():
     few = answers(row("kivi4", "single needle", "aware", 1.0, 1.0, scheme="kivi", bits=4, kind="quant", rows=2))
-    out = article_comparison(few).set_index(["our shape", "article says"])["this run"]
-    assert out[("single needle", "INT4 KV is safe")] == "inconclusive"
+    out = article_comparison(few).set_index(["our shape", "question modes", "article says"])["this run"]
+    assert out[("single needle", "aware", "INT4 KV is safe")] == "inconclusive"
     verdict, evidence = c12_verdict(article_comparison(few))
     assert verdict == "inconclusive" and "inconclusive: INT4 KV is safe (single needle)" in evidence
+
+
+def test_document_qa_decides_the_long_document_row_where_the_run_has_it():
+    """RULER's qa tasks (shape 'document QA') stand for the article's long-document QA row in place of the single
+    needle, in both question modes, and the row names the tasks and lengths that decided it."""
+    def qa(task, mode, accuracy):
+        return [{**r, "task": task, "sample_id": f"{task}-{mode}-{r['sample_id']}", "context_tokens": 4096}
+                for r in row("kivi4", "document QA", mode, 1.0, accuracy, scheme="kivi", bits=4, kind="quant", rows=100)]
+
+    rows = pd.concat([comparison_rows(), answers(qa("ruler_qa_1", "aware", 1.0), qa("ruler_qa_2", "aware", 1.0),
+                                                 qa("ruler_qa_1", "agnostic", 0.5), qa("ruler_qa_2", "agnostic", 0.5))])
+    out = article_comparison(rows)
+    aware = one(out, **{"question modes": "aware", "article says": "INT4 KV is safe"})
+    agnostic = one(out, **{"question modes": "agnostic", "article says": "INT4 KV is safe"})
+    assert aware["our shape"] == agnostic["our shape"] == "document QA"
+    assert aware["this run"] == "agrees" and agnostic["this run"] == "disagrees"
+    assert aware["measured on"] == "ruler_qa_1 @ 4,096 (100), ruler_qa_2 @ 4,096 (100)"
+    # FP8 + SnapKV was measured on the single needle only: the statement stays on document QA and says so
+    assert one(out, **{"article says": "FP8 + SnapKV 25% is safe"})["this run"] == "not measured"
+    table = decision_table(rows).set_index(["shape", "question mode"])
+    assert table.loc[("document QA", "agnostic"), "measured on"] == "ruler_qa_1 @ 4,096 (100), ruler_qa_2 @ 4,096 (100)"
+    assert table.loc[("single needle", "aware"), "measured on"] == "single needle @ 512 (200)"
+
+
+def test_statements_beyond_the_measured_context_say_so():
+    """The article's > 128K row is tested only by rows that long: at 512 tokens it is 'not measured' and says how
+    far the run reached; rows past 128K decide it. Rows no kvlab task can test give their reason."""
+    short = answers(row("fp8", "single needle", "aware", 1.0, 1.0, fraction=0.5, scheme="fp8", bits=8, kind="quant"))
+    beyond = {"article's workload": "beyond 128K, exact retrieval", "article says": "FP8 KV is safe"}
+    out = one(article_comparison(short), **beyond)
+    assert out["this run"] == "not measured" and "measured up to 512 tokens" in out["evidence"]
+    chat = one(article_comparison(short), **{"article's workload": "general chat"})
+    assert chat["evidence"].startswith("no open-ended chat task")
+    assert one(article_comparison(short.assign(context_tokens=200_000)), **beyond)["this run"] == "agrees"
+
+
+def one(frame: pd.DataFrame, **equal) -> pd.Series:
+    """The one row of `frame` whose columns equal the given values."""
+    for column, value in equal.items():
+        frame = frame[frame[column] == value]
+    assert len(frame) == 1, equal
+    return frame.iloc[0]

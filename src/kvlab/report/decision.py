@@ -85,11 +85,11 @@ def _label(r) -> str:
 
 
 def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
-    """One row per (model, shape, question mode): the methods decided safe, most compression first (each at its
+    """One row per (model, shape, question mode): the tasks and context lengths it was measured on, the methods decided safe, most compression first (each at its
     most compressed safe budget), the best compression reached, those safe at the target, those inconclusive
     at the target (each at its most compressed undecided budget, with n, bounds and the n to decide) and the
     methods unsafe at every budget."""
-    columns = ["model", "shape", "question mode", "full cache", "safe (most compression first)", "best safe compression",
+    columns = ["model", "shape", "question mode", "measured on", "full cache", "safe (most compression first)", "best safe compression",
                f"safe at ≥ {rule.target:g}×", f"inconclusive at ≥ {rule.target:g}×", "unsafe at every budget"]
     out = []
     for (model, shape, mode), g in rows.groupby(["model", "shape", "question_mode"], sort=True):
@@ -102,7 +102,8 @@ def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
             low, high = wilson(answers["full_score"].sum(), len(answers))
             full = f"{answers['full_score'].mean():.0%} [{low:.0%}, {high:.0%}], n={answers['sample_id'].nunique()}"
             if (c["full_accuracy"] == 0).all():
-                out.append([model, shape, mode, full, "— (the full cache scores 0%: nothing to lose)", "", "", "", ""])
+                out.append([model, shape, mode, measured_on(g), full, "— (the full cache scores 0%: nothing to lose)", "", "",
+                            "", ""])
                 continue
         best = c[c["decision"] == "safe"].sort_values("kv_fraction_bf16").groupby("method", sort=False).head(1)
         best = best.sort_values(["kv_fraction_bf16", "method"])
@@ -112,7 +113,7 @@ def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
         open_ = open_.sort_values(["kv_fraction_bf16", "method"]).groupby("method", sort=False).head(1)
         unsafe = sorted(m for m, d in c.groupby("method")["decision"] if (d == "unsafe").all())
         out.append([
-            model, shape, mode, full,
+            model, shape, mode, measured_on(g), full,
             ", ".join(_label(r) for r in best.itertuples()) or "none",
             f"{1 / best['kv_fraction_bf16'].min():.1f}×" if len(best) else "",
             ", ".join(_label(r) for r in reach.itertuples()) or "none",
@@ -148,11 +149,6 @@ def outcomes(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
                                       "samples"])
 
 
-# The article's §7.2 recommendations that this run can test, as (workload in the article, our shape and
-# question modes, statement, which rows it is about, whether the article expects them safe). Methods are
-# recognized by what they store, not by their config names: INT4 = 4-bit KIVI (keys per channel) without
-# eviction; FP8 + SnapKV 25% = FP8 storage of what SnapKV keeps at budget 0.25; eviction = any method that
-# keeps a fraction of the context.
 def _int4(d):
     return (d["scheme"] == "kivi") & (d["bits"] == 4) & (d["key_axis"] == "channel") & (d["policy"] == "kivi") & (d["budget"] == 1)
 
@@ -177,29 +173,88 @@ def _streaming(d):
     return (d["press"] == "StreamingLLMPress") & d["wrapper"].isna()
 
 
+def _int2(d):
+    return (d["bits"] == 2) & (d["budget"] == 1)
+
+
+@dataclass(frozen=True)
+class Statement:
+    """One recommendation of the article's §7.2 table, as this run can test it: its workload and the context it is
+    about, the task shapes that stand for it (the first one this run measured is used: RULER's document QA before
+    kvlab's single needle), the question modes pooled, which rows it is about (methods recognized by what they
+    store, not by config name: INT4 = 4-bit KIVI, keys per channel, no eviction; FP8 + SnapKV 25% = FP8 storage of
+    what SnapKV keeps at budget 0.25; eviction = any method that keeps a share of the context) and whether the
+    article expects them safe. `outside`: why no run of kvlab's can test it, or the least context it is about,
+    in tokens (a run whose rows are all shorter is outside it)."""
+
+    workload: str
+    context: str
+    shapes: tuple[str, ...]
+    modes: tuple[str, ...]
+    says: str
+    pick: object = None
+    expect_safe: bool = True
+    outside: str | int | None = None
+
+
 ARTICLE = [
-    ("long-document QA, question known", ("single needle", ("aware",)), "INT4 KV is safe", _int4, True),
-    ("long-document QA, question known", ("single needle", ("aware",)), "FP8 + SnapKV 25% is safe", _fp8_snapkv25, True),
-    ("long-document QA, question known", ("single needle", ("aware",)), "H2O is not safe", _h2o, False),
-    ("multi-turn agent, question unknown", ("multi-turn", ("multi_turn", "agnostic")), "INT4 KV is safe", _int4, True),
-    ("multi-turn agent, question unknown", ("multi-turn", ("multi_turn", "agnostic")), "no eviction is safe", _eviction, False),
-    ("streaming, recent context only", ("recency", ("agnostic",)), "StreamingLLM is safe", _streaming, True),
-    ("reasoning, long outputs", ("reasoning", ("agnostic", "aware")), "FP8 KV is safe", _fp8, True),
-    ("reasoning, long outputs", ("reasoning", ("agnostic", "aware")), "no eviction is safe", _eviction, False),
+    Statement("general chat", "< 32K", (), (), "FP8 KV is safe",
+              outside="no open-ended chat task: kvlab scores answers it can check"),
+    Statement("long-document QA, question after the document", "long", ("document QA", "single needle"), ("aware",),
+              "INT4 KV is safe", _int4),
+    Statement("long-document QA, question after the document", "long", ("document QA", "single needle"), ("agnostic",),
+              "INT4 KV is safe", _int4),
+    Statement("long-document QA, question after the document", "long", ("document QA", "single needle"), ("aware",),
+              "FP8 + SnapKV 25% is safe", _fp8_snapkv25),
+    Statement("long-document QA, question after the document", "long", ("document QA", "single needle"), ("aware",),
+              "H2O is not safe", _h2o, False),
+    Statement("multi-turn agent, question unknown", "long history", ("multi-turn",), ("multi_turn", "agnostic"),
+              "INT4 KV is safe", _int4),
+    Statement("multi-turn agent, question unknown", "long history", ("multi-turn",), ("multi_turn", "agnostic"),
+              "no eviction is safe", _eviction, False),
+    Statement("streaming, recent context only", "any", ("recency",), ("agnostic",), "StreamingLLM is safe", _streaming),
+    Statement("reasoning, long outputs", "long outputs", ("reasoning",), ("agnostic", "aware"), "FP8 KV is safe", _fp8),
+    Statement("reasoning, long outputs", "long outputs", ("reasoning",), ("agnostic", "aware"), "no eviction is safe",
+              _eviction, False),
+    Statement("beyond 128K, exact retrieval", "> 128K", ("single needle",), ("agnostic", "aware"), "FP8 KV is safe",
+              _fp8, outside=131073),
+    Statement("beyond 128K, exact retrieval", "> 128K", ("single needle",), ("agnostic", "aware"), "2-bit KV is not safe",
+              _int2, False, outside=131073),
+    Statement("beyond 128K, exact retrieval", "> 128K", ("single needle",), ("agnostic", "aware"), "no eviction is safe",
+              _eviction, False, outside=131073),
+    Statement("training possible, long context central", "long", (), (), "sparse attention or shared KV trained in",
+              outside="needs training; the section on trained-for structures applies them post hoc instead"),
 ]
 
 
+def measured_on(rows: pd.DataFrame) -> str:
+    """Which tasks at which context lengths rows come from, with their distinct prompts: 'niah_single @ 1,024 (12)'."""
+    parts = [f"{task} @ {ctx:,} ({g['sample_id'].nunique()})"
+             for (task, ctx), g in rows.groupby(["task", "context_tokens"], sort=True)]
+    return ", ".join(parts)
+
+
 def article_comparison(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
-    """Each testable statement of the article's decision table against this run: the cells it is about
-    (methods × budgets, the listed question modes pooled by sample) and whether the data agree. A 'safe'
-    statement agrees when some such cell is decided safe and disagrees when all are decided unsafe; a 'not
-    safe' statement agrees when all are decided unsafe and disagrees when some is decided safe; anything
-    else is inconclusive."""
+    """Each statement of the article's decision table against this run: the cells it is about (methods × budgets,
+    the listed question modes pooled by sample) and whether the data agree. A 'safe' statement agrees when some
+    such cell is decided safe and disagrees when all are decided unsafe; a 'not safe' statement agrees when all
+    are decided unsafe and disagrees when some is decided safe; anything else is inconclusive. A statement this
+    run cannot reach (no such task, or contexts longer than it measured) says so and why."""
     out = []
-    for workload, (shape, modes), statement, pick, expect_safe in ARTICLE:
-        picked = rows[(rows["shape"] == shape) & rows["question_mode"].isin(modes)]
-        picked = picked[pick(picked)] if len(picked) else picked
-        where = [workload, shape, ", ".join(modes), statement]
+    for st in ARTICLE:
+        shape = next((sh for sh in st.shapes if (rows["shape"] == sh).any()), st.shapes[0] if st.shapes else "—")
+        picked = rows[(rows["shape"] == shape) & rows["question_mode"].isin(st.modes)]
+        picked = picked[st.pick(picked)] if len(picked) else picked
+        where = [st.workload, st.context, shape, ", ".join(st.modes), st.says, measured_on(picked) if len(picked) else ""]
+        if isinstance(st.outside, str):
+            out.append([*where, "not measured", st.outside])
+            continue
+        if isinstance(st.outside, int):
+            longest = int(rows["context_tokens"].max()) if len(rows) else 0
+            if longest < st.outside:
+                out.append([*where, "not measured", f"outside this run: it is about contexts {st.context}, this run "
+                                                    f"measured up to {longest:,} tokens"])
+                continue
         if picked.empty:
             out.append([*where, "not measured", "no matching method in this run"])
             continue
@@ -208,14 +263,15 @@ def article_comparison(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
             out.append([*where, "not measured", "the full cache scores 0% here"])
             continue
         safe, unsafe = (c["decision"] == "safe").any(), (c["decision"] == "unsafe").all()
-        if expect_safe:
+        if st.expect_safe:
             verdict = "agrees" if safe else "disagrees" if unsafe else "inconclusive"
         else:
             verdict = "agrees" if unsafe else "disagrees" if safe else "inconclusive"
         each = "; ".join(f"{r['method']}{'@' + format(r['budget'], 'g') if r['budget'] < 1 else ''} {r['decision']}: "
                          f"{evidence(r)}" for _, r in c.iterrows())
         out.append([*where, verdict, each])
-    return pd.DataFrame(out, columns=["article's workload", "our shape", "question modes", "article says", "this run", "evidence"])
+    return pd.DataFrame(out, columns=["article's workload", "article's context", "our shape", "question modes",
+                                      "article says", "measured on", "this run", "evidence"])
 
 
 def c12_verdict(comparison: pd.DataFrame) -> tuple[str, str]:

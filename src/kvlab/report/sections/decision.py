@@ -30,7 +30,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         return "<p>No compressed method was evaluated in this run.</p>"
     every = cells(rows, rule, by=["model", "shape", "question_mode"])
     return (
-        f"<p><b>Rule:</b> {rule_text(rule)}. Each safe method appears once, at its most compressed safe budget, with "
+        f"<p><b>Rule:</b> {rule_text(rule)}. 'measured on' names the tasks and context lengths (in tokens, with "
+        f"their distinct prompts) each row pools. Each safe method appears once, at its most compressed safe budget, with "
         f"the compression it reached (bytes stored vs the full cache in bf16, measured). The article's question — "
         f"40 GB → 10 GB — asks for ≥ {rule.target:g}×; a method undecided there is listed as inconclusive with n, "
         f"its bounds and the samples that would decide it at the observed effect.</p>"
@@ -41,7 +42,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "inconclusive cell if the observed effect and spread held (normal approximation).</p>"
         + table(every[[c for c in SHOWN if c in every]])
         + "<h3>Against the article's decision table</h3><p class='note'>Each recommendation of the article's "
-        "table that this run can test, on the task shape that stands for its workload. Methods are recognized by "
+        "table, on the task shape that stands for its workload (long-document QA: RULER's qa_1 and qa_2 where this "
+        "run has them, else the single needle), with the tasks, context lengths and distinct prompts that decided "
+        "it ('measured on'). A row about longer contexts than this run measured (the article's > 128K), or about a "
+        "workload no task here represents, says so and is not counted. Methods are recognized by "
         "what they store (INT4: 4-bit KIVI without eviction; FP8 + SnapKV 25%: FP8 storage of SnapKV's 25%), not by "
         "name. A 'safe' statement agrees when some such method is decided safe, and disagrees when all are decided "
         "unsafe; a 'not safe' statement the other way round; otherwise this run is inconclusive.</p>"
