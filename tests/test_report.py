@@ -38,13 +38,16 @@ def test_sections_and_queries_present(page):
                   "KV bytes read per decode step (article §6 and §8.3, computed)",
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches",
-                  "Trained-for structures, applied post hoc (article §5–§6)", "Prompt compression (article §7)"):
+                  "Trained-for structures, applied post hoc (article §5–§6)", "Prompt compression (article §7)",
+                  "RULER (kvpress leaderboard layout)"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
                                    "tasks", "cost_article", "provenance", "timings"}
     assert "evaluation device" in page and "model sha256: tiny-qwen2" in page and "<h3>Wall time per rule</h3>" in page
     assert "multi_turn · turn 2" in page  # the second turn is reported as its own task line
+    ruler = page[page.index("<h2>RULER (kvpress leaderboard layout)</h2>"):]
+    assert "<td>niah_single_2</td>" in ruler[:ruler.index("</table>")]  # the smoke run's RULER task, by RULER's name
     for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
         assert f"<h3>{sub}</h3>" in page
     assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
@@ -408,3 +411,26 @@ def test_prompt_compression_claim_follows_the_paired_drop(lost, expected):
     (claim, verdict, evidence), = claim_verdicts([17], {"answers": rows})
     assert claim.startswith("C17 prompt compression to 50%") and verdict == expected and f"over {2 * n} answers" in evidence
     assert claim_verdicts([17], {"answers": rows.assign(budget=0.25)})[0][1] == "not measured"
+
+
+def test_ruler_leaderboard_has_a_score_column_per_method_and_kvpress_ratio():
+    """RULER tasks in RULER's order, one column per (method, kvpress compression ratio = 1 − budget), a quantized
+    method under its name alone; scores in percent with their Wilson interval; the average's paired drop."""
+    from kvlab.report.sections.ruler import leaderboard
+
+    rows = []
+    for task, n in (("qa_1", 10), ("niah_single_1", 10)):
+        for i in range(n):
+            sid = f"{task}-{i}"
+            for method, budget, score in (("snapkv", 0.25, float(i < 5)), ("snapkv", 0.5, 1.0), ("kivi4", 1.0, 1.0)):
+                rows.append({"ruler_task": task, "sample_id": sid, "method": method, "budget": budget,
+                             "score": score, "full_score": 1.0})
+    t = leaderboard(pd.DataFrame(rows)).set_index("RULER task")
+    assert list(t.index) == ["niah_single_1", "qa_1", "average (every answer)", "drop vs full (points) [bounds]"]
+    assert list(t.columns) == ["prompts", "full", "kivi4", "snapkv 0.5", "snapkv 0.75"]
+    low, high = wilson(5, 10)
+    assert t.loc["qa_1", "snapkv 0.75"] == f"50.0 [{100 * low:.0f}, {100 * high:.0f}]"
+    assert t.loc["qa_1", "prompts"] == 10 and t.loc["qa_1", "full"].startswith("100.0 [")
+    assert t.loc["average (every answer)", "snapkv 0.75"].startswith("50.0 [")
+    drop = t.loc["drop vs full (points) [bounds]", "snapkv 0.75"]
+    assert drop.startswith("+50.0 [") and float(drop.split("[")[1].split(",")[0]) > 5  # lower bound well above 0

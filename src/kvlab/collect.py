@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from kvlab.columns import DECODE_KERNEL_COLUMNS
+from kvlab.columns import DECODE_KERNEL_COLUMNS, EVAL_COLUMNS
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path, read_parquet
 from kvlab.models.card import read_card
@@ -77,7 +77,7 @@ def build(
          for c in cards]
     )
     tables = {
-        "eval": _concat(eval_files),
+        "eval": _with_columns(_concat(eval_files), EVAL_COLUMNS),
         "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
         "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
         "decode_kernels": _concat([f for f in speed_files if "/decode_kernels/" in str(f)], DECODE_KERNEL_COLUMNS),
@@ -100,6 +100,11 @@ def build(
                 con.unregister("frame")
         finally:
             con.close()
+
+
+def _with_columns(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
+    """`frame` with each of `columns` it lacks added empty, typed."""
+    return frame.assign(**{c: pd.Series(dtype=d, index=frame.index) for c, d in columns.items() if c not in frame})
 
 
 def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:

@@ -6,3 +6,6 @@ DECODE_KERNEL_COLUMNS = {
     "batch": "int64", "kv_heads": "int64", "query_heads": "int64", "head_dim": "int64", "ms": "float64",
     "call_ms": "float64", "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
 }
+
+# Eval columns later kvlab versions added, typed so the report's queries run on rows written before them.
+EVAL_COLUMNS = {"ruler_task": "string"}

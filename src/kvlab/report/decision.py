@@ -85,9 +85,9 @@ def _label(r) -> str:
 
 
 def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
-    """One row per (model, shape, question mode): the tasks and context lengths it was measured on, the methods decided safe, most compression first (each at its
-    most compressed safe budget), the best compression reached, those safe at the target, those inconclusive
-    at the target (each at its most compressed undecided budget, with n, bounds and the n to decide) and the
+    """One row per (model, shape, question mode): the tasks and context lengths it was measured on, the methods
+    decided safe, most compression first (each at its most compressed safe budget), the best compression reached,
+    those safe at the target, those inconclusive at the target (each at its most compressed undecided budget, with n, bounds and the n to decide) and the
     methods unsafe at every budget."""
     columns = ["model", "shape", "question mode", "measured on", "full cache", "safe (most compression first)", "best safe compression",
                f"safe at ≥ {rule.target:g}×", f"inconclusive at ≥ {rule.target:g}×", "unsafe at every budget"]

@@ -353,3 +353,16 @@ FROM eval
 WHERE method_kind IN ('block_sparse', 'cross_layer')
    OR (press = 'SnapKVPress' AND wrapper IS NULL AND scheme IS NULL)
 GROUP BY ALL ORDER BY model, method, budget DESC, context_tokens;
+
+-- name: ruler
+-- RULER's tasks (task kind ruler), one row per answer beside the full cache's answer to the same prompt, per
+-- RULER task, context length (RULER's max_seq_length) and question mode. score is RULER's metric of the task
+-- (string_match_all: the share of the wanted values the answer holds; string_match_part: any of them).
+WITH scored AS (SELECT * FROM eval WHERE task_kind = 'ruler' AND metric <> 'none'),
+reference AS (
+    SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
+)
+SELECT model, ruler_task, task, context_tokens, question_mode, method, method_kind, budget,
+       1 / compression_vs_bf16 AS kv_fraction_bf16, sample_id, score, full_score
+FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
+ORDER BY model, context_tokens, question_mode, ruler_task, method, budget DESC, sample_id;

@@ -94,6 +94,7 @@ class Sample:
             "depth": self.depth,
             "seed": self.seed,
             "metric": self.metric,
+            "ruler_task": self.meta.get("ruler_task"),  # RULER's own task name (niah_single_1 … qa_2); None elsewhere
         }
 
     def to_dict(self) -> dict:
