@@ -39,7 +39,7 @@ def test_sections_and_queries_present(page):
                   "Measured cache bytes vs the formula", "Task suite", "Provenance",
                   "Calibration: what the cache and attention look like", "Quantized KV caches",
                   "Trained-for structures, applied post hoc (article §5–§6)", "Prompt compression (article §7)",
-                  "RULER (kvpress leaderboard layout)"):
+                  "RULER (kvpress leaderboard layout)", "Accuracy vs context length"):
         assert f"<h2>{title}</h2>" in page
     assert page.count("<details><summary>query</summary>") >= 9
     assert set(load_queries()) >= {"accuracy", "versus_full", "divergence", "throughput", "engine_vs_pipeline",
@@ -148,13 +148,15 @@ def answers(kl: pd.DataFrame, delta: float | None, n: int = 40) -> pd.DataFrame:
     bounds have width); with `delta`, 4-bit KIVI's answers on 2,000 prompts of two tasks, `delta` points from
     the full cache's (90% right) on the same prompts."""
     rows = [{"model": "m", "method": r.method, "scheme": r.scheme, "bits": r.bits, "key_axis": r.key_axis,
-             "value_axis": "token", "policy": r.policy, "budget": 1.0, "context_tokens": 512, "task": "prose", "sample_id": f"p{i}",
+             "value_axis": "token", "policy": r.policy, "budget": 1.0, "context_tokens": 512, "task": "prose", "shape": "prose",
+             "sample_id": f"p{i}",
              "turn": 1, "score": None, "full_score": None, "kl_vs_full": r.kl_mean_nats * (0.9 + 0.2 * i / (n - 1))}
             for r in kl.itertuples() for i in range(n)]
     if delta is not None:
         m, lost = 2000, round(-delta / 100 * 2000)
         rows += [{"model": "m", "method": "kivi4", "scheme": "kivi", "bits": 4, "key_axis": "channel",
-                  "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "task": "ab"[i % 2], "sample_id": f"t{i}",
+                  "value_axis": "token", "policy": "kivi", "budget": 1.0, "context_tokens": 512, "task": "ab"[i % 2],
+                  "shape": "single needle", "sample_id": f"t{i}",
                   "turn": 1, "score": 0.0 if i < lost else float(i < 0.9 * m), "full_score": float(i < 0.9 * m),
                   "kl_vs_full": None} for i in range(m)]
     return pd.DataFrame(rows)
@@ -205,6 +207,23 @@ def test_kl_claims_give_the_noise_floor_beside_their_evidence():
     page = divergence.body({"divergence": pd.DataFrame(columns=["kl_each", "sample_each"]), **q}, Rule())
     assert "<h3>Noise floor</h3>" in page and "float32" in page
     assert "Noise floor" not in claim_verdicts([3], {**q, "noise_floor": noise(0)})[0][2]
+
+
+def test_c5_asks_per_needle_length_whether_int4_starts_to_drop():
+    """With needles at two lengths, C5 adds a verdict per length: INT4 equal to the full cache at 1,024 tokens
+    holds there, 20 points down at 4,096 does not hold there (and the pooled verdict does not hold either)."""
+    kl = kl_rows(kivi4=("kivi", 4, "channel", 0.004))
+    short = answers(kl, 0.0)
+    long = short[short["score"].notna()].assign(context_tokens=4096, sample_id=lambda d: "L" + d["sample_id"],
+                                                score=lambda d: d["score"].where(d.index % 5 != 0, 0.0))
+    q = {"quant_kl": kl, "answers": pd.concat([short, long], ignore_index=True), "noise_floor": noise()}
+    out = {claim: (verdict, evidence) for claim, verdict, evidence in claim_verdicts([5], q)}
+    assert out["C5 INT4 within 1 point on needles at 512 tokens"][0] == "holds"
+    verdict, evidence = out["C5 INT4 within 1 point on needles at 4,096 tokens"]
+    assert verdict == "does not hold" and "over 2000 scored answers" in evidence
+    assert out["C5 INT4 within 1 point"][0] == "does not hold"
+    one_length = {claim for claim, *_ in claim_verdicts([5], {**q, "answers": short})}
+    assert one_length == {"C5 INT4 within 1 point"}
 
 
 def test_quant_verdicts_hold_on_a_table_that_shows_the_claims():
@@ -434,3 +453,24 @@ def test_ruler_leaderboard_has_a_score_column_per_method_and_kvpress_ratio():
     assert t.loc["average (every answer)", "snapkv 0.75"].startswith("50.0 [")
     drop = t.loc["drop vs full (points) [bounds]", "snapkv 0.75"]
     assert drop.startswith("+50.0 [") and float(drop.split("[")[1].split(",")[0]) > 5  # lower bound well above 0
+
+
+def test_context_length_section_draws_shapes_measured_at_several_lengths():
+    """Accuracy per length with the full cache as its own line; a shape at one length is left out, and a run with
+    every shape at one length says so instead of drawing."""
+    from kvlab.report.sections import context_length
+
+    def cell(shape, ctx, right, n=20):
+        return [{"model": "m", "shape": shape, "task": shape, "question_mode": "aware", "context_tokens": ctx,
+                 "method": "kivi4", "budget": 1.0, "sample_id": f"{shape}-{ctx}-{i}", "turn": 1, "kl_vs_full": None,
+                 "score": float(i < right), "full_score": 1.0, "method_kind": "quant", "kv_fraction_bf16": 0.3}
+                for i in range(n)]
+
+    rows = pd.DataFrame(cell("single needle", 1024, 20) + cell("single needle", 4096, 10) + cell("multi-hop", 1024, 5))
+    points = context_length.curves(rows).set_index(["shape", "context_tokens", "variant"])
+    assert points.loc[("single needle", 4096, "kivi4"), "accuracy"] == 0.5
+    assert points.loc[("single needle", 4096, "full"), "answers"] == 20 and points.loc[("single needle", 4096, "full"), "accuracy"] == 1
+    page = context_length.body({"answers": rows}, Rule())
+    assert "<svg" in page and "multi-hop" not in page and "unsafe" in page  # 50 points down at 4K
+    one = context_length.body({"answers": rows[rows["context_tokens"] == 1024]}, Rule())
+    assert "<svg" not in one and "single needle: single needle @ 1,024 (20)" in one

@@ -5,7 +5,7 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, bytes_measured, calibration, claims, cost_article, cost_models, cost_reads, decision, divergence, engine,
+    accuracy, bytes_measured, calibration, claims, context_length, cost_article, cost_models, cost_reads, decision, divergence, engine,
     eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, summary, tasks, throughput,
     verdict_grid,
 )
@@ -17,6 +17,7 @@ SECTIONS = [
     decision,
     power,
     accuracy,
+    context_length,
     ruler,
     eviction,
     posthoc,

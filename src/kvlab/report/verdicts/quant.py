@@ -46,22 +46,32 @@ def c4(q: dict, t) -> list[tuple[str, str, str]]:
 
 def c5(q: dict, t) -> list[tuple[str, str, str]]:
     """4-bit KIVI's accuracy, all its answers pooled, within `t.points` of the full cache's on the same prompts:
-    holds when both bounds of the drop lie within ± points, does not hold when one bound lies beyond."""
+    holds when both bounds of the drop lie within ± points, does not hold when one bound lies beyond. Extended
+    to the article's question whether INT4 starts to drop on long needles: where the run measured needle tasks
+    at more than one context length, the same verdict per length on the needle answers."""
     a = q["answers"]
     int4 = where(a[a["score"].notna() & (a["budget"] == 1)], scheme="kivi", bits=4, key_axis="channel", value_axis="token", policy="kivi")
     if int4.empty:
         return [("", "not measured", "no 4-bit kivi method scored on tasks")]
     method = sorted(int4["method"].unique())[0]
     rows = int4[int4["method"] == method]
+    out = [("", *_within(rows, method, t, "question modes and turns pooled"))]
+    needles = rows[rows["shape"].str.contains("needle")]
+    if needles["context_tokens"].nunique() > 1:
+        for ctx, g in needles.groupby("context_tokens", sort=True):
+            out.append((f" on needles at {ctx:,} tokens", *_within(g, method, t, "needle tasks at this length")))
+    return out
+
+
+def _within(rows: pd.DataFrame, method: str, t, pooled: str) -> tuple[str, str]:
     s = per_sample(rows, ["score", "full_score"])
     b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy())
     verdict = ("holds" if -t.points <= b.low and b.high <= t.points
                else "does not hold" if b.low > t.points or b.high < -t.points else "inconclusive")
     low, high = wilson(rows["score"].sum(), len(rows))
-    return [("", verdict,
-             f"{method}: {rows['score'].mean():.1%} [{low:.1%}, {high:.1%}] vs full {rows['full_score'].mean():.1%} over "
-             f"{len(rows)} scored answers ({', '.join(sorted(rows['task'].unique()))}; question modes and turns pooled), "
-             f"Δ {-b.mean:+.1f} points; drop bounds [{b.low:+.1f}, {b.high:+.1f}] over {b.n} samples.")]
+    return verdict, (f"{method}: {rows['score'].mean():.1%} [{low:.1%}, {high:.1%}] vs full {rows['full_score'].mean():.1%} over "
+                     f"{len(rows)} scored answers ({', '.join(sorted(rows['task'].unique()))}; {pooled}), "
+                     f"Δ {-b.mean:+.1f} points; drop bounds [{b.low:+.1f}, {b.high:+.1f}] over {b.n} samples.")
 
 
 def c10(q: dict, t) -> list[tuple[str, str, str]]:

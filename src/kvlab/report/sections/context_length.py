@@ -1,0 +1,66 @@
+"""Accuracy against context length: one curve per method and budget for each task shape measured at more than
+one length, the full cache's beside them, with Wilson intervals; and every (shape, length) cell decided by the
+decision table's rule."""
+
+import altair as alt
+import pandas as pd
+
+from kvlab.report.decision import Rule, cells, measured_on
+from kvlab.report.html import svg, table
+from kvlab.report.stats import wilson
+
+TITLE = "Accuracy vs context length"
+QUERIES = ("answers",)
+KEYS = ["model", "shape", "question_mode", "context_tokens"]
+SHOWN = ["model", "shape", "question_mode", "context_tokens", "method", "budget", "samples", "accuracy", "accuracy_low",
+         "accuracy_high", "full_accuracy", "drop_points", "drop_low", "drop_high", "decision", "n_to_decide"]
+
+
+def curves(rows: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy per (model, shape, question mode, context length, method @ budget), the full cache's as method
+    'full' (each of its answers once), with Wilson 95% intervals over the answers."""
+    full = rows.drop_duplicates([*KEYS, "sample_id", "turn"]).assign(variant="full", score=lambda d: d["full_score"])
+    every = pd.concat([rows.assign(variant=[m if b >= 1 else f"{m}@{b:g}" for m, b in zip(rows["method"], rows["budget"])]),
+                       full], ignore_index=True)
+    out = every.groupby([*KEYS, "variant"], sort=True).agg(correct=("score", "sum"), answers=("score", "size")).reset_index()
+    bounds = [wilson(c, n) for c, n in zip(out["correct"], out["answers"])]
+    return out.assign(accuracy=out["correct"] / out["answers"], accuracy_low=[b[0] for b in bounds],
+                      accuracy_high=[b[1] for b in bounds])
+
+
+def chart(points: pd.DataFrame) -> alt.TopLevelMixin:
+    x = alt.X("context_tokens:Q", title="context (tokens)", scale=alt.Scale(type="log", base=2))
+    color = alt.Color("variant:N", title="method", scale=alt.Scale(scheme="tableau20"))
+    line = alt.Chart().mark_line(point=True).encode(
+        x=x, y=alt.Y("accuracy:Q", title="accuracy", scale=alt.Scale(domain=[0, 1])), color=color,
+        tooltip=["variant", "context_tokens", "accuracy", "accuracy_low", "accuracy_high", "answers"],
+    )
+    bars = alt.Chart().mark_rule(opacity=0.6).encode(x=x, y="accuracy_low:Q", y2="accuracy_high:Q", color=color)
+    return alt.layer(line, bars, data=points).properties(width=230, height=160).facet(
+        row=alt.Row("shape:N", title=None), column=alt.Column("question_mode:N", title=None)
+    )
+
+
+def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    rows = q["answers"]
+    rows = rows[rows["score"].notna()]
+    lengths = rows.groupby("shape")["context_tokens"].nunique()
+    several = lengths[lengths > 1].index
+    if rows.empty or several.empty:
+        where = "; ".join(f"{shape}: {measured_on(g)}" for shape, g in rows.groupby("shape", sort=True))
+        return (f"<p>This run measured each task shape at one context length ({where or 'no scored task'}). Give a "
+                f"task several <code>context_tokens</code> to draw accuracy against length.</p>")
+    rows = rows[rows["shape"].isin(several)]
+    every = cells(rows, rule, by=KEYS)
+    return (
+        svg(chart(curves(rows)))
+        + "<p class='note'>One line per method and budget (method@budget: the share of the context kept), the full "
+        "cache's as 'full'; bars: Wilson 95% intervals over the answers. Shapes measured at one length only are left "
+        "out. kvlab's own generators seed each length apart (its needles, values and haystack are drawn anew), so "
+        "its points at different lengths are independent samples; RULER's generators use RULER's seed at every "
+        "length.</p>"
+        + "<h3>Per length, decided</h3><p class='note'>The decision table's rule per (shape, question mode, length): "
+        "the drop vs the full cache on the same prompts with its one-sided 95% bounds (paired bootstrap over "
+        f"samples) against {rule.tolerance_points:g} points.</p>"
+        + table(every[[c for c in SHOWN if c in every]])
+    )
