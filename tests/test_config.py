@@ -51,6 +51,21 @@ def test_every_preset_covers_every_task_kind(config):
         assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
 
 
+def test_ruler_preset_is_kvpress_leaderboard_grid(config):
+    """RULER's 13 tasks at 4K with at least 100 samples each, both question modes, kvpress's compression ratios
+    0.25–0.875 as kept shares, and quantized methods beside the presses."""
+    from kvlab.tasks import ruler
+
+    out = resolve({**config, "preset": "ruler"}, SCHEMA)
+    rulers = {t["ruler_task"]: t for t in out["tasks"].values() if t["kind"] == "ruler"}
+    assert sorted(rulers) == sorted(ruler.task_names()) and len(rulers) == 13
+    assert all(t["context_tokens"] == [4096] and t["samples"] >= 100 for t in rulers.values())
+    assert out["question_modes"] == ["agnostic", "aware"]
+    assert sorted(1 - b for b in out["budgets"]) == [0.25, 0.5, 0.75, 0.875]
+    kinds = {m["kind"] for m in out["methods"].values()}
+    assert {"full", "kvpress", "quant"} <= kinds
+
+
 def test_preset_replaces_top_level_keys(config):
     config["preset"] = "smoke"
     out = resolve(config, SCHEMA)
@@ -186,7 +201,7 @@ BAD = [
      "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, wide, smoke, evidence, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, wide, smoke, evidence, ruler, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 
