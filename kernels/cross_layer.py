@@ -18,7 +18,7 @@ from kvlab.kernels.layer import KVLayer
 class SharedLayer(KVLayer):
     """A layer that holds its source layer's keys and values (the same tensors at the prompt; the source's inputs,
     appended, after it): no bytes of its own. The engine's batch hands every layer's new keys and values of the
-    current forward pass to the update (``cache_kwargs['fed']``, by layer index), so the source's are there."""
+    current forward pass to the update (``cache_kwargs['step_kv']``, by layer index), so the source's are there."""
 
     own_layout = True  # its entries come from the source's inputs, row by row
     streams = True  # dense: a chunk is read as its single steps would read it
@@ -29,8 +29,8 @@ class SharedLayer(KVLayer):
         self.keys, self.values, self.shares = keys, values, source
 
     def update(self, key_states, value_states, cache_kwargs=None):
-        fed = (cache_kwargs or {}).get("fed")
-        if fed is None or self.shares not in fed:
+        step_kv = (cache_kwargs or {}).get("step_kv")
+        if step_kv is None or self.shares not in step_kv:
             raise RuntimeError(f"a layer sharing layer {self.shares}'s K/V needs that layer's new keys and values first "
-                               "(cache_kwargs['fed'], set by engine.Batch); decode it through the engine's batch")
-        return DynamicLayer.update(self, *fed[self.shares], cache_kwargs)
+                               "(cache_kwargs['step_kv'], set by engine.Batch); decode it through the engine's batch")
+        return DynamicLayer.update(self, *step_kv[self.shares], cache_kwargs)

@@ -246,7 +246,7 @@ class Batch:
         self.model = model
         self.cache = shallow_copy(caches[0])
         if isinstance(self.cache, KVCache):
-            self.cache.fed = {}  # each layer's new K/V per forward pass, for rows whose layers share (KVCache)
+            self.cache.step_kv = {}  # each layer's new K/V per forward pass, for rows whose layers share (KVCache)
         self.lengths: list[torch.Tensor] = []
         self.padded: list[int] = []
         self.masked: list[torch.Tensor | None] = []  # (B, H_kv, width): entries a masking press hides, per layer
@@ -368,12 +368,12 @@ class Batch:
 
 def _row_kwargs(cache_kwargs: dict | None, rows: slice) -> dict | None:
     """A layer update's keyword arguments for some batch rows: per-row tensors (B, n, D: RoPE tables) and the
-    forward pass's new keys and values per layer (`fed`, see KVCache) sliced to those rows."""
+    forward pass's new keys and values per layer (`step_kv`, see KVCache) sliced to those rows."""
     if not cache_kwargs:
         return cache_kwargs
     out = {k: v[rows] if torch.is_tensor(v) and v.dim() == 3 else v for k, v in cache_kwargs.items()}
-    if "fed" in out:
-        out["fed"] = {idx: (k[rows], v[rows]) for idx, (k, v) in out["fed"].items()}
+    if "step_kv" in out:
+        out["step_kv"] = {idx: (k[rows], v[rows]) for idx, (k, v) in out["step_kv"].items()}
     return out
 
 

@@ -54,16 +54,16 @@ def capture(model, store: list):
 class KVCache(DynamicCache):
     """transformers' DynamicCache, plus what a batch of compressed caches reads: `position_shift`, set when a press
     re-rotated the kept keys to positions 0…n-1 (the rows then decode from n: positions shift by n - context); and
-    `fed`, when a batch sets it to a dict: each layer's new keys and values of the current forward pass, by layer
-    index, handed to every later layer's update (``cache_kwargs['fed']``) for layers that share another's K/V."""
+    `step_kv`, when a batch sets it to a dict: each layer's new keys and values of the current forward pass, by layer
+    index, handed to every later layer's update (``cache_kwargs['step_kv']``) for layers that share another's K/V."""
 
     position_shift: int = 0
-    fed: dict | None = None
+    step_kv: dict | None = None
 
     def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        if self.fed is not None:
-            self.fed[layer_idx] = (key_states, value_states)
-            cache_kwargs = {**(cache_kwargs or {}), "fed": self.fed}
+        if self.step_kv is not None:
+            self.step_kv[layer_idx] = (key_states, value_states)
+            cache_kwargs = {**(cache_kwargs or {}), "step_kv": self.step_kv}
         return super().update(key_states, value_states, layer_idx, cache_kwargs)
 
 
