@@ -182,6 +182,9 @@ BAD = [
     (("tasks", "niah_single", "hops"), 3, "config: unknown key 'hops' under 'tasks.niah_single'; allowed: context_tokens, depths, haystack, keys"),
     (("tasks", "niah_multiquery"), {"kind": "niah", "keys": 3, "queries": 5, "context_tokens": [1024]},
      "preset 'default': key 'tasks.niah_multiquery.queries': 5 exceeds keys 3"),
+    (("tasks", "niah_single", "samples"), [4, 2], "preset 'default': key 'tasks.niah_single.samples': 2 entries for 1 context_tokens; "
+     "give one number, or one per context length"),
+    (("tasks", "niah_single", "samples"), [0], "config: key 'tasks.niah_single.samples[0]': 0 must be >= 1"),
     (("tasks", "recency", "from_end_tokens"), [2000], "preset 'default': key 'tasks.recency.from_end_tokens': each must be below every context length (1024)"),
     (("tasks", "recency", "from_end_tokens"), DELETE, "config: key 'tasks.recency': missing required key 'from_end_tokens'"),
     (("tasks", "common_words", "uncommon_freq"), 10, "preset 'default': key 'tasks.common_words.uncommon_freq': must be below common_freq 10"),

@@ -175,3 +175,18 @@ def test_bad_parameters_are_clear_errors(tokenizer, name, target, message):
         generate(tokenizer, "niah", 1000, keys=1, queries=2)
     with pytest.raises(ValueError, match="too short; a problem needs"):
         GENERATORS["arithmetic"]("arith", {"samples": 1, "seed": 0}, tokenizer, 40)
+
+
+def test_samples_per_context_length(tokenizer):
+    """`samples` as a list gives each context length its own count; the samples a length shares with a run that
+    asks for more of them are the same (the first ones), and a length missing from the list is a clear error."""
+    from kvlab.tasks import generate as at_length
+
+    spec = {**NIAH, "context_tokens": [600, 1000], "samples": [3, 1]}
+    short, long = at_length("niah", spec, tokenizer, 600), at_length("niah", spec, tokenizer, 1000)
+    assert len(short) == 3 * 3 and len(long) == 3 * 1  # per depth
+    assert {s.context_tokens for s in long} == {1000}
+    more = at_length("niah", {**spec, "samples": 3}, tokenizer, 1000)
+    assert {s.prompt.sha1 for s in long} < {s.prompt.sha1 for s in more}
+    with pytest.raises(ValueError, match="no entry for context length 800"):
+        at_length("niah", spec, tokenizer, 800)

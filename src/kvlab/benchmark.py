@@ -24,7 +24,7 @@ from kvlab.hardware import device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card
-from kvlab.tasks import GENERATORS, max_new_tokens
+from kvlab.tasks import GENERATORS, generate, max_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
-    chosen = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)[:samples]
+    chosen = generate(task, task_spec, tokenizer, context_tokens)[:samples]
     if len(chosen) < samples:
         raise ValueError(f"benchmark task '{task}' generates {len(chosen)} samples per context length; "
                          f"benchmark.samples asks {samples}")

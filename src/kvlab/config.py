@@ -204,6 +204,9 @@ def _check_semantics(config: dict, where: str) -> None:
         niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]
         raise ConfigError(f"{where}: key 'benchmark.task': {bench!r} must name a niah task asking after the document; candidates: {', '.join(niah) or 'none'}")
     for name, task in config["tasks"].items():
+        if isinstance(task["samples"], list) and len(task["samples"]) != len(task["context_tokens"]):
+            raise ConfigError(f"{where}: key 'tasks.{name}.samples': {len(task['samples'])} entries for "
+                              f"{len(task['context_tokens'])} context_tokens; give one number, or one per context length")
         if task["kind"] == "niah" and task["queries"] > task["keys"]:
             raise ConfigError(f"{where}: key 'tasks.{name}.queries': {task['queries']} exceeds keys {task['keys']}; ask at most as many keys as there are")
         if task["kind"] == "common_words" and task["uncommon_freq"] >= task["common_freq"]:

@@ -18,7 +18,7 @@ from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
-from kvlab.tasks import GENERATORS, max_new_tokens
+from kvlab.tasks import generate, max_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def run_job(
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
-    samples = GENERATORS[task_spec["kind"]](task, task_spec, tokenizer, context_tokens)
+    samples = generate(task, task_spec, tokenizer, context_tokens)
     grid = variants(run["methods"], run["budgets"], task)
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
     log.info("%s: %d samples × %d variants × %d modes, answers capped at %d tokens", task, len(samples), len(grid),

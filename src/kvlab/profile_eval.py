@@ -36,7 +36,7 @@ from kvlab.evaluate import load_model
 from kvlab.hardware import compute_dtype
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
-from kvlab.tasks import GENERATORS, max_new_tokens
+from kvlab.tasks import generate, max_new_tokens
 
 PHASES = ["prefill", "compress", "cache_stats", "decode_reference", "decode_diverged", "teacher_forced",
           "noise_floor", "divergence", "forward", "masks", "attention", "rows_update"]
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     torch.set_num_threads(run["threads"])
     dtype = compute_dtype(run["dtype"], run["device"])
     model, tokenizer = load_model(args.model_dir, dtype, run["device"])
-    samples = GENERATORS[spec["kind"]](args.task, spec, tokenizer, args.ctx)[: args.samples]
+    samples = generate(args.task, spec, tokenizer, args.ctx)[: args.samples]
     grid = variants(run["methods"], run["budgets"], args.task)
     max_new = max_new_tokens(spec, run["max_new_tokens"])
 

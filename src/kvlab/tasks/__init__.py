@@ -1,5 +1,6 @@
 """Task generators by kind: one module per kind, one line here. A generator takes (task name, its config
-entry, the model's tokenizer, a context length) and returns seeded, deterministic Samples."""
+entry, the model's tokenizer, a context length) and returns seeded, deterministic Samples; `generate` calls it
+with the entry's `samples` for that length."""
 
 from kvlab.tasks import arithmetic, common_words, continuation, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
 
@@ -29,3 +30,21 @@ def max_new_tokens(spec: dict, run_default: int) -> int:
         return spec["max_new_tokens"]
     kind_cap = DEFAULT_CAPS.get(spec["kind"])
     return kind_cap(spec) if kind_cap else run_default
+
+
+def samples_at(spec: dict, context_tokens: int) -> int:
+    """A task's samples at one of its context lengths: `samples` is one number for every length, or one per entry of
+    `context_tokens` (config validation checks the counts match)."""
+    samples = spec["samples"]
+    if isinstance(samples, int):
+        return samples
+    lengths = spec["context_tokens"]
+    if context_tokens not in lengths or len(samples) != len(lengths):
+        raise ValueError(f"samples {samples} has no entry for context length {context_tokens} (context_tokens {lengths}); "
+                         "give one number per entry of context_tokens")
+    return samples[lengths.index(context_tokens)]
+
+
+def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list:
+    """The samples of task `name` (its config entry `spec`) at `context_tokens`, from its kind's generator."""
+    return GENERATORS[spec["kind"]](name, {**spec, "samples": samples_at(spec, context_tokens)}, tokenizer, context_tokens)
