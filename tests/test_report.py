@@ -48,6 +48,8 @@ def test_sections_and_queries_present(page):
     assert "multi_turn · turn 2" in page  # the second turn is reported as its own task line
     ruler = page[page.index("<h2>RULER (kvpress leaderboard layout)</h2>"):]
     assert "<td>niah_single_2</td>" in ruler[:ruler.index("</table>")]  # the smoke run's RULER task, by RULER's name
+    lengths = page[page.index("<h2>Accuracy vs context length</h2>"):page.index("<h2>RULER (kvpress leaderboard layout)</h2>")]
+    assert "<svg" in lengths and "<td>768</td>" in lengths  # smoke's needle at 512 and 768 tokens, decided per length
     for sub in ("Channel magnitude: keys before and after RoPE, values", "Secondary sinks", "Handed to later stages"):
         assert f"<h3>{sub}</h3>" in page
     assert "C1 (key channel outliers ≫ value) on tiny-qwen2" in page and "C2 (massive activation" in page
@@ -472,5 +474,9 @@ def test_context_length_section_draws_shapes_measured_at_several_lengths():
     assert points.loc[("single needle", 4096, "full"), "answers"] == 20 and points.loc[("single needle", 4096, "full"), "accuracy"] == 1
     page = context_length.body({"answers": rows}, Rule())
     assert "<svg" in page and "multi-hop" not in page and "unsafe" in page  # 50 points down at 4K
+    # a RULER needle at 1K and kvlab's at 4K are two generators at one length each: no curve joins them
+    mixed = rows[~((rows["shape"] == "single needle") & (rows["context_tokens"] == 1024))]
+    mixed = pd.concat([mixed, pd.DataFrame(cell("single needle", 1024, 20)).assign(task_kind="ruler")])
+    assert "<svg" not in context_length.body({"answers": mixed}, Rule())
     one = context_length.body({"answers": rows[rows["context_tokens"] == 1024]}, Rule())
     assert "<svg" not in one and "single needle: single needle @ 1,024 (20)" in one

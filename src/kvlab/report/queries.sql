@@ -61,13 +61,13 @@ WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
-SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+SELECT model, shape, task, task_kind, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
        key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn, score, full_score,
        1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
 UNION ALL BY NAME
-SELECT model, shape, task, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
+SELECT model, shape, task, task_kind, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
        key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn,
        1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full
 FROM eval

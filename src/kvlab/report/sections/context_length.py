@@ -11,14 +11,21 @@ from kvlab.report.stats import wilson
 
 TITLE = "Accuracy vs context length"
 QUERIES = ("answers",)
-KEYS = ["model", "shape", "question_mode", "context_tokens"]
-SHOWN = ["model", "shape", "question_mode", "context_tokens", "method", "budget", "samples", "accuracy", "accuracy_low",
+KEYS = ["model", "shape", "generator", "question_mode", "context_tokens"]
+SHOWN = ["model", "shape", "generator", "question_mode", "context_tokens", "method", "budget", "samples", "accuracy", "accuracy_low",
          "accuracy_high", "full_accuracy", "drop_points", "drop_low", "drop_high", "decision", "n_to_decide"]
+
+
+def with_generator(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows with `generator`: RULER's or kvlab's own, so a curve never joins two generators' prompts."""
+    ruler = rows["task_kind"].eq("ruler") if "task_kind" in rows else pd.Series(False, index=rows.index)
+    return rows.assign(generator=ruler.map({True: "RULER", False: "kvlab"}))
 
 
 def curves(rows: pd.DataFrame) -> pd.DataFrame:
     """Accuracy per (model, shape, question mode, context length, method @ budget), the full cache's as method
     'full' (each of its answers once), with Wilson 95% intervals over the answers."""
+    rows = with_generator(rows)
     full = rows.drop_duplicates([*KEYS, "sample_id", "turn"]).assign(variant="full", score=lambda d: d["full_score"])
     every = pd.concat([rows.assign(variant=[m if b >= 1 else f"{m}@{b:g}" for m, b in zip(rows["method"], rows["budget"])]),
                        full], ignore_index=True)
@@ -36,27 +43,29 @@ def chart(points: pd.DataFrame) -> alt.TopLevelMixin:
         tooltip=["variant", "context_tokens", "accuracy", "accuracy_low", "accuracy_high", "answers"],
     )
     bars = alt.Chart().mark_rule(opacity=0.6).encode(x=x, y="accuracy_low:Q", y2="accuracy_high:Q", color=color)
+    points = points.assign(panel=points["shape"] + " (" + points["generator"] + ")")
     return alt.layer(line, bars, data=points).properties(width=230, height=160).facet(
-        row=alt.Row("shape:N", title=None), column=alt.Column("question_mode:N", title=None)
+        row=alt.Row("panel:N", title=None), column=alt.Column("question_mode:N", title=None)
     )
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     rows = q["answers"]
-    rows = rows[rows["score"].notna()]
-    lengths = rows.groupby("shape")["context_tokens"].nunique()
+    rows = with_generator(rows[rows["score"].notna()])
+    lengths = rows.groupby(["shape", "generator"])["context_tokens"].nunique()
     several = lengths[lengths > 1].index
     if rows.empty or several.empty:
         where = "; ".join(f"{shape}: {measured_on(g)}" for shape, g in rows.groupby("shape", sort=True))
         return (f"<p>This run measured each task shape at one context length ({where or 'no scored task'}). Give a "
                 f"task several <code>context_tokens</code> to draw accuracy against length.</p>")
-    rows = rows[rows["shape"].isin(several)]
+    rows = rows[rows.set_index(["shape", "generator"]).index.isin(several)]
     every = cells(rows, rule, by=KEYS)
     return (
         svg(chart(curves(rows)))
         + "<p class='note'>One line per method and budget (method@budget: the share of the context kept), the full "
-        "cache's as 'full'; bars: Wilson 95% intervals over the answers. Shapes measured at one length only are left "
-        "out. kvlab's own generators seed each length apart (its needles, values and haystack are drawn anew), so "
+        "cache's as 'full'; bars: Wilson 95% intervals over the answers. One panel per shape and generator (kvlab's "
+        "own tasks or RULER's), so a curve never joins two generators' prompts; shapes measured at one length only "
+        "are left out. kvlab's own generators seed each length apart (its needles, values and haystack are drawn anew), so "
         "its points at different lengths are independent samples; RULER's generators use RULER's seed at every "
         "length.</p>"
         + "<h3>Per length, decided</h3><p class='note'>The decision table's rule per (shape, question mode, length): "
