@@ -4,7 +4,7 @@ import pandas as pd
 import pytest
 
 from kvlab.report.claims import verdicts
-from kvlab.report.decision import article_comparison, c12_verdict, decision_table
+from kvlab.report.decision import Rule, article_comparison, c12_verdict, decision_table
 from kvlab.report.verdicts.cost import matches as _matches
 
 
@@ -161,3 +161,19 @@ def one(frame: pd.DataFrame, **equal) -> pd.Series:
         frame = frame[frame[column] == value]
     assert len(frame) == 1, equal
     return frame.iloc[0]
+
+
+def test_summary_and_claims_count_what_the_samples_decide():
+    """The summary counts the cells the samples decide (safe, unsafe) against those left inconclusive or not judged;
+    the claims section tallies verdicts."""
+    from kvlab.report.sections.claims import tally
+    from kvlab.report.sections.summary import decided
+
+    rows = answers(row("snapkv", "single needle", "aware", 0.5, 1.0, press="SnapKVPress"),  # safe at n=200
+                   row("snapkv", "single needle", "aware", 0.1, 0.5, press="SnapKVPress"),  # unsafe
+                   row("kivi4", "single needle", "aware", 1.0, 1.0, scheme="kivi", bits=4, kind="quant", rows=2),
+                   row("snapkv", "reasoning", "agnostic", 0.5, 0.0, full=0.0, press="SnapKVPress"))
+    text = decided(rows, Rule())
+    assert "of 4 cells" in text and "samples decide 2: 1 safe, 1 unsafe, 1 inconclusive, 1 not judged" in text
+    frame = pd.DataFrame({"verdict": ["holds", "holds", "inconclusive", "not measured"]})
+    assert tally(frame) == "4 verdicts: 2 hold, 0 does not hold, 1 inconclusive, 1 not measured"

@@ -10,9 +10,20 @@ TITLE = "Claims"
 QUERIES = ()
 
 
+VERDICTS = ("holds", "does not hold", "inconclusive", "not measured")
+
+
+def tally(frame: pd.DataFrame) -> str:
+    """'12 verdicts: 7 hold, 1 does not hold, 3 inconclusive, 1 not measured' (a claim may give one verdict per model
+    or subject)."""
+    counts = frame["verdict"].value_counts()
+    return f"{len(frame)} verdicts: " + ", ".join(f"{counts.get(v, 0)} {'hold' if v == 'holds' else v}" for v in VERDICTS)
+
+
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    frame = claims_frame(q, rule)
     return ("<p>Each claim of the study with its verdict on this run, the number behind it and the "
             "rule used; `query` names the SQL (shown under the sections below) whose rows decide it. A claim about "
             "sampled answers or KL holds or does not hold only when its one-sided 95% bounds say so (paired "
             "bootstrap over samples); otherwise it is inconclusive, with n and the bounds in its evidence.</p>"
-            + table(claims_frame(q, rule)))
+            f"<p><b>{tally(frame)}.</b></p>" + table(frame))

@@ -3,11 +3,24 @@ methods reach ≥ the target's fewer bytes than bf16 and stay safe (the decision
 
 import pandas as pd
 
-from kvlab.report.decision import Rule, decision_table
+from kvlab.report.decision import Rule, cells, decision_table
 from kvlab.report.html import esc
 
 TITLE = "Summary"
 QUERIES = ("answers",)
+
+
+def decided(answers: pd.DataFrame, rule: Rule) -> str:
+    """How many of the run's cells (method × budget per shape and question mode) its samples decide."""
+    if answers.empty:
+        return ""
+    c = cells(answers, rule, by=["model", "shape", "question_mode"])["decision"].value_counts()
+    n = int(c.sum())
+    parts = ", ".join(f"{int(c.get(d, 0))} {d}" for d in ("safe", "unsafe", "inconclusive"))
+    unjudged = n - int(c.get("safe", 0) + c.get("unsafe", 0) + c.get("inconclusive", 0))
+    rest = f", {unjudged} not judged (the full cache scores 0%)" if unjudged else ""
+    return (f"<p><b>How sure:</b> of {n} cells (a method at a budget, per task shape and question mode), this run's "
+            f"samples decide {int(c.get('safe', 0) + c.get('unsafe', 0))}: {parts}{rest}.</p>")
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
@@ -33,7 +46,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
             best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing decided safe at any budget)"
             items.append(f"<li>{esc(where)}: none decided safe at ≥ {rule.target:g}×{esc(best + pending)}</li>")
     return (
-        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>"
+        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>" + decided(q["answers"], rule) +
         f"<p><b>The article's question — 40 GB → 10 GB, which method is safe on which task?</b> On this run, the "
         f"methods that stored at most 1/{rule.target:g} of the full cache's bf16 bytes and are decided safe: the "
         f"one-sided 95% upper bound of their accuracy drop is at most {rule.tolerance_points:g} points (on prose: of "
