@@ -60,3 +60,4 @@ def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):
     (row,) = summary.to_dict("records")
     assert row["rows"] == len(rows) > 0 and row["s_per_row"] == pytest.approx(row["wall_s"] / len(rows))
     assert row["label"] == "here" and row["dtype"] == "float32"  # the smoke preset forces fp32
+    assert row["peak_rss_mb"] > 100  # this process holds torch and the model at least

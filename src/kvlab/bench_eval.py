@@ -16,6 +16,7 @@ on the same config: the A/B of the speed issue (`--samples` overrides the task's
 from __future__ import annotations
 
 import argparse
+import resource
 import subprocess
 import time
 from pathlib import Path
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         "compress_s": float(rows.drop_duplicates(["sample_id", "method", "budget", "question_mode"])["compress_s"].sum())
         if "sample_id" in rows else None,
         "dtype": run["dtype"], "threads": run["threads"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux reports KiB
     }])
     summary.to_parquet(out, index=False)
     print(summary.to_string(index=False))
