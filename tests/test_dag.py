@@ -32,8 +32,10 @@ def smoke_config():
 
 
 def expected_samples(spec: dict) -> int:
+    """Samples over every context length: per grid point, `samples` at each length (one number, or one per length)."""
     points = spec.get("depths") or spec.get("from_end_tokens") or [None]
-    return len(points) * spec["samples"] * len(spec["context_tokens"])
+    per_length = spec["samples"] if isinstance(spec["samples"], list) else [spec["samples"]] * len(spec["context_tokens"])
+    return len(points) * sum(per_length)
 
 
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
