@@ -7,7 +7,7 @@ import pandas as pd
 
 from kvlab.report.decision import Rule, cells, measured_on
 from kvlab.report.html import svg, table
-from kvlab.report.stats import wilson
+from kvlab.report.tables import with_wilson
 
 TITLE = "Accuracy vs context length"
 QUERIES = ("answers",)
@@ -29,10 +29,8 @@ def curves(rows: pd.DataFrame) -> pd.DataFrame:
     full = rows.drop_duplicates([*KEYS, "sample_id", "turn"]).assign(variant="full", score=lambda d: d["full_score"])
     every = pd.concat([rows.assign(variant=[m if b >= 1 else f"{m}@{b:g}" for m, b in zip(rows["method"], rows["budget"])]),
                        full], ignore_index=True)
-    out = every.groupby([*KEYS, "variant"], sort=True).agg(correct=("score", "sum"), answers=("score", "size")).reset_index()
-    bounds = [wilson(c, n) for c, n in zip(out["correct"], out["answers"])]
-    return out.assign(accuracy=out["correct"] / out["answers"], accuracy_low=[b[0] for b in bounds],
-                      accuracy_high=[b[1] for b in bounds])
+    out = every.groupby([*KEYS, "variant"], sort=True).agg(accuracy=("score", "mean"), answers=("score", "size")).reset_index()
+    return with_wilson(out, count="answers")
 
 
 def chart(points: pd.DataFrame) -> alt.TopLevelMixin:
