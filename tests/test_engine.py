@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill
+from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
 from kvlab.methods import Variant, variants
 from kvlab.tasks import GENERATORS
 
@@ -679,7 +679,8 @@ def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
 
 def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
     """evaluate_samples over several samples (references decoded as one batch) gives each sample's rows as
-    evaluating it alone does, apart from the time columns."""
+    evaluating it alone does, apart from the time columns and the noise floor's KL, whose steps run in a batch of
+    every sample's full rows: another batch composition, rounding only."""
     from kvlab.engine import evaluate_samples
 
     tokenizer = tiny[1]
@@ -689,7 +690,12 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
     together = evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8)
     alone = [r for s in samples for r in evaluate_sample(sharp, tokenizer, s, grid, ["agnostic", "aware", "multi_turn"], 8)]
     assert len(samples) == 2 and {r["turn"] for r in together} == {1, 2}
-    pd.testing.assert_frame_equal(pd.DataFrame(together).drop(columns=timing), pd.DataFrame(alone).drop(columns=timing))
+    together, alone = pd.DataFrame(together), pd.DataFrame(alone)
+    for frame in (together, alone):
+        full = frame[frame["method"] == "full"]
+        assert full["noise_kl"].notna().all() and (full["noise_kl_max"] < 1e-6).all()
+    floor = ["noise_kl", "noise_kl_max"]
+    pd.testing.assert_frame_equal(together.drop(columns=timing + floor), alone.drop(columns=timing + floor))
 
 
 def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
@@ -713,11 +719,11 @@ def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
 
 
 def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
-    """The full row's noise columns: the full cache teacher-forced alone one token at a time against its one
+    """The full row's noise columns: the full cache teacher-forced again one token at a time against its one
     pass in the batch of every row, as computed by hand from the engine's parts; empty on every other row.
     Rounding only: small in fp32, the same answer, and exactly nothing when the steps are compared with
     themselves."""
-    from kvlab.engine import noise_floor, teacher_forced, verified_decode
+    from kvlab.engine import noise_floor, stepped, verified_decode
 
     tokenizer = tiny[1]
     grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
@@ -729,10 +735,36 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     caches = [compress(sharp, base, v) for v in grid]
     tail = sample.prompt.question + sample.prompt.suffix
     run = verified_decode(sharp, caches, 0, tail, base.length, 8)
-    alone, _ = teacher_forced(sharp, [caches[0]], tail, run.answers[0], base.length, steps=True)
-    kl = (run.logp[0].exp() * (run.logp[0] - alone[0])).sum(-1).clamp_min(0)
+    ((alone, choice),) = stepped(sharp, [(caches[0], tail, run.answers[0], base.length)])
+    kl = (run.logp[0].exp() * (run.logp[0] - alone)).sum(-1).clamp_min(0)
     assert full["noise_kl"] == pytest.approx(float(kl.mean()), abs=1e-12)
     assert full["noise_kl_max"] == pytest.approx(float(kl.max()), abs=1e-12)
     assert 0 <= full["noise_kl"] <= full["noise_kl_max"] < 1e-6 and full["noise_diverged_at"] is None
-    itself = noise_floor(sharp, caches[0], tail, run.answers[0], base.length, alone[0])
+    assert choice.tolist() == run.answers[0]
+    (itself,) = noise_floor(sharp, [(caches[0], tail, run.answers[0], base.length, alone)])
     assert itself["noise_kl"] == 0 and itself["noise_kl_max"] == 0 and itself["noise_diverged_at"] is None
+
+
+def test_stepped_prompts_in_one_batch_equal_each_alone(tiny, sharp):
+    """`stepped` feeds prompts of different lengths, tails and path lengths as one right-padded batch at their own
+    positions: each row's log-probabilities equal its prompt stepped alone (padding is masked; fp32 rounding only),
+    and equal the one teacher-forced pass along the same path."""
+    from kvlab.engine import stepped
+
+    tokenizer = tiny[1]
+    samples = GENERATORS["niah"]("niah_single", {"depths": [0.2, 0.8], "samples": 1, "seed": 6}, tokenizer, 500)
+    short = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 7}, tokenizer, 300)
+    requests = []
+    for n, s in enumerate(samples + short):
+        base = prefill(sharp, s.prompt.context)
+        path = (s.prompt.question * 2)[: 5 + 3 * n]  # any known tokens: 5, 8 and 11 of them
+        requests.append((base.cache, s.prompt.question + s.prompt.suffix, path, base.length))
+    assert len({r[3] for r in requests}) > 1
+    together = stepped(sharp, requests)
+    for request, (logp, choice) in zip(requests, together):
+        ((alone, alone_choice),) = stepped(sharp, [request])
+        one_pass, _ = teacher_forced(sharp, [request[0]], request[1], request[2], request[3])
+        assert logp.shape == (len(request[2]), alone.shape[-1])
+        torch.testing.assert_close(logp, alone, rtol=0, atol=1e-4)
+        torch.testing.assert_close(logp, one_pass[0], rtol=0, atol=1e-4)
+        assert choice.tolist() == alone_choice.tolist()

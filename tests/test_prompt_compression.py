@@ -9,7 +9,7 @@ import torch
 from kvlab.engine import Batch, cache_stats, compress, prefill
 from kvlab.engine.prefill import self_information
 from kvlab.methods import Variant
-from kvlab.methods.prompt import PromptCompression, kept_positions
+from kvlab.methods.prompt import PromptCompression, information, kept_positions
 from kvlab.tasks import GENERATORS
 
 
@@ -23,10 +23,21 @@ def test_keeps_the_budget_of_the_span_by_information():
         kept_positions(info, (3, 12), 0.5, 9)
 
 
-def test_self_information_is_the_models_next_token_loss(tiny):
+@pytest.mark.parametrize("cut", [None, 200])
+def test_self_information_is_the_models_next_token_loss(tiny, cut):
+    """From the prefill's hidden states, whole or continued (the context's scores, then the question's only)."""
     model, tokenizer = tiny
     ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"][:300]
-    info = self_information(model, ids, chunk=64)
+    if cut is None:
+        info = self_information(model, prefill(model, ids), chunk=64)
+    else:
+        context = prefill(model, ids[:cut])
+        whole = prefill(model, ids[cut:], past=context)
+        assert whole.parent is context and whole.hidden.shape[0] == len(ids)
+        info = self_information(model, context, chunk=64) + self_information(model, whole, start=cut, chunk=64)
+        shared = information(model, whole)  # the context's scores computed once, and kept on it
+        torch.testing.assert_close(torch.tensor(shared), torch.tensor(info), rtol=1e-5, atol=1e-5)
+        assert context.shared["self_information"] == shared[:cut]
     with torch.no_grad():
         logp = model(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
     want = -logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
@@ -50,7 +61,7 @@ def test_a_compressed_prompt_decodes_as_the_short_prompt(tiny, aware):
     variant = Variant("lingua", "prompt_compression", 0.5, {})
     cache = compress(model, base, variant)
     span = len(p.context) - p.head
-    kept = kept_positions(self_information(model, base.ids), base.span, 0.5, base.length)
+    kept = kept_positions(self_information(model, prefill(model, base.ids)), base.span, 0.5, base.length)
     assert len(kept) == p.head + round(0.5 * span) + (len(p.question) if aware else 0)
     assert kept[: p.head] == list(range(p.head)) and (not aware or kept[-len(p.question):] == list(range(len(p.context), base.length)))
     assert cache.layers[0].keys.shape[-2] == len(kept) and cache.position_shift == len(kept) - base.length

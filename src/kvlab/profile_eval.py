@@ -9,8 +9,8 @@ One row per phase or operator class: its seconds (inclusive for phases, self tim
 share of the profiled wall time.
 
 - phases: prefill, compress, cache_stats, decode_reference (the full cache's answer), decode_diverged (rows
-  that leave it), teacher_forced (one pass along it), noise_floor (the full row teacher-forced again alone, one
-  token at a time; its teacher_forced call counts in both), divergence (KL), and within decoding: forward (the
+  that leave it), teacher_forced (one pass along it), noise_floor (the measured full rows teacher-forced again one
+  token at a time, batched across samples), divergence (KL), and within decoding: forward (the
   model's step), masks, attention, rows_update (quantized and H2O rows: per-row Python, quantizing and
   dequantizing);
 - operators: matmul (linear / mm / addmm / bmm self time), sdpa, host_sync (`item` / `_local_scalar_dense`:

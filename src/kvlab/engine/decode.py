@@ -100,7 +100,6 @@ def streams(cache: DynamicCache) -> bool:
 @record_function("kvlab.teacher_forced")
 def teacher_forced(
     model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool = True,
-    steps: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities (B, len(path), V) each row assigns to every token of `path` when `tail` and
     `path` are fed after its cache, and each row's greedy choice (B, len(path)) at every position (the argmax of
@@ -108,11 +107,10 @@ def teacher_forced(
     must see each token as decoding would (earlier tokens quantized once they leave the residual window): they
     take the tail, then the path in one pass that reads it as if fed one token at a time (`stream`; tested equal
     to feeding it so). Caches that evict while decoding (H2O, see `own_layout`) and transformers' quantized
-    caches, or every stepwise cache with `stream` false, are fed the path one token at a time; with `steps`, every
-    cache is (the noise floor's pass)."""
+    caches, or every stepwise cache with `stream` false, are fed the path one token at a time."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
-    how = ["steps" if steps else "dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
+    how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
     out = choice = None
     for kind in ("dense", "stream", "steps"):
         group = [i for i, h in enumerate(how) if h == kind]
@@ -204,18 +202,63 @@ def verified_decode(
 
 
 @torch.no_grad()
+@record_function("kvlab.stepped")
+def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Dense caches of several prompts, each `(cache, tail, path, start)`, teacher-forced along their `path` one
+    token at a time, as decoding feeds it: each tail as one chunk, then one step per path token, every prompt in one
+    right-padded batch at its own positions (as `decode_references` decodes), a row leaving once its path ends.
+    Models with sliding-window layers step each prompt alone. Per request: log-probabilities (len(path), V) and
+    the greedy choice at each position (len(path),)."""
+    if len(requests) > 1 and any(is_sliding(model, i) for i in range(len(requests[0][0].layers))):
+        return [out for request in requests for out in stepped(model, [request])]
+    first, fed = [], []
+    for cache, tail, path, start in requests:
+        if not tail or not path:
+            raise ValueError("stepping a path needs a tail token after the cache and at least one path token")
+        one = Batch(model, [cache])
+        first.append(one.forward(torch.tensor([tail], device=model.device), start)[0, -1])
+        fed.append(one.cache)
+    paths = [path for _, _, path, _ in requests]
+    if len(requests) == 1:
+        batch, pos = one, requests[0][3] + len(requests[0][1])
+    else:
+        batch, pos = Batch(model, fed), 0
+        batch.shift = torch.tensor([start + len(tail) for _, tail, _, start in requests], device=model.device)
+    logits = [[f] for f in first]
+    live = list(range(len(requests)))
+    for step in range(max(map(len, paths)) - 1):
+        going = [row for row, i in enumerate(live) if len(paths[i]) > step + 1]
+        if not going:
+            break
+        if len(going) < len(live):
+            batch.keep(going)
+            live = [live[r] for r in going]
+        out = batch.forward(torch.tensor([[paths[i][step]] for i in live], device=model.device), pos + step)[:, -1]
+        for row, i in enumerate(live):
+            logits[i].append(out[row])
+    results = []
+    for rows in logits:
+        stacked = torch.stack(rows)
+        results.append((torch.log_softmax(stacked.float(), dim=-1), stacked.argmax(-1)))
+    return results
+
+
+@torch.no_grad()
 @record_function("kvlab.noise_floor")
-def noise_floor(model, cache: DynamicCache, tail: list[int], path: list[int], start: int, logp_ref: torch.Tensor) -> dict:
-    """The reference against itself under a change that should not matter: `cache` teacher-forced alone and one
-    token at a time along `path` (as decoding feeds it), against `logp_ref` (len(path), V), its log-probabilities
-    from the one pass it shared with every other row. Mean and max per-token KL(one pass ‖ steps) in nats, and
-    where the steps' greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an
-    answer change of a method no larger than this is no evidence of anything. (On a CPU in fp32, the same pass
-    alone or in a batch, padded or not, gave bitwise equal logits on the tiny model; one-token steps take other
-    kernels, so they are the change measured.)"""
-    logp, choice = teacher_forced(model, [cache], tail, path, start, steps=True)
-    kl = (logp_ref.exp() * (logp_ref - logp[0])).sum(-1).clamp_min(0)
-    return {"noise_kl": float(kl.mean()), "noise_kl_max": float(kl.max()), "noise_diverged_at": first_divergence(choice, path)[0]}
+def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], int, torch.Tensor]]) -> list[dict]:
+    """The reference against itself under changes that should not matter. Each request `(cache, tail, path, start,
+    logp_ref)` is a full row whose `logp_ref` (len(path), V) came from the one pass it shared with every other row of
+    its prompt; here its cache is teacher-forced again one token at a time, in a batch of the other requests'
+    prompts, right-padded (`stepped`). Per request: mean and max per-token KL(one pass ‖ steps) in nats, and where
+    the steps' greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an answer change
+    of a method no larger than this is no evidence of anything. (On a CPU in fp32, the same pass alone or in a batch,
+    padded or not, gave bitwise equal logits on the tiny model; one-token steps take other kernels.)"""
+    out = []
+    for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests])):
+        kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
+        out.append({"noise_kl": float(kl.mean()), "noise_kl_max": float(kl.max()),
+                    "noise_diverged_at": first_divergence(choice[None], path)[0]})
+    return out
 
 
 @record_function("kvlab.divergence")

@@ -79,6 +79,8 @@ class Prefilled:
     shared: dict = field(default_factory=dict)
     ids: list[int] = field(default_factory=list)  # every token fed (a continuation: the earlier ones first)
     span: tuple[int, int] | None = None  # positions prompt compression may drop (the user's text; see evaluate_samples)
+    hidden: torch.Tensor | None = None  # (length, hidden): the last layer's output at every position, final norm applied
+    parent: "Prefilled | None" = None  # the prefill this one continues (the context, for a question-aware prefill)
 
 
 @torch.no_grad()
@@ -92,24 +94,26 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
     x = torch.tensor([ids], device=device)
     positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
     with capture(model, store):
-        model.model(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True)
+        hidden = model.model(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True).last_hidden_state[0]
     if past:
         store = [a.extend(b) for a, b in zip(past.captures, store)]
+        hidden = torch.cat([past.hidden, hidden])
     return Prefilled(cache, store, start + len(ids), ids=(past.ids if past else []) + list(ids),
-                     span=past.span if past else None)
+                     span=past.span if past else None, hidden=hidden, parent=past)
 
 
 @torch.no_grad()
 @record_function("kvlab.self_information")
-def self_information(model, ids: list[int], chunk: int = 256) -> list[float]:
-    """−log p(ids[t] | ids[:t]) in nats under `model` for every position (position 0, with nothing before it:
-    +inf, never dropped); the vocabulary's log-softmax taken `chunk` positions at a time."""
-    hidden = model.model(input_ids=torch.tensor([ids], device=model.device)).last_hidden_state[0]
-    target = torch.tensor(ids[1:], device=model.device)
-    out = [math.inf]
-    for s in range(0, len(ids) - 1, chunk):
-        logp = model.lm_head(hidden[s : s + chunk]).float().log_softmax(-1)
-        out += (-logp.gather(-1, target[s : s + chunk, None])[:, 0]).tolist()
+def self_information(model, base: Prefilled, start: int = 0, chunk: int = 256) -> list[float]:
+    """−log p(ids[t] | ids[:t]) in nats under `model` for positions `start`… of the prefilled `base` (position 0,
+    with nothing before it: +inf, never dropped), from the prefill's own last hidden states: only the LM head runs,
+    its log-softmax over the vocabulary `chunk` positions at a time."""
+    out = [math.inf] if start == 0 else []
+    first = max(start, 1)
+    target = torch.tensor(base.ids[first:], device=model.device)
+    for s in range(first, base.length, chunk):
+        logp = model.lm_head(base.hidden[s - 1 : min(s + chunk, base.length) - 1]).float().log_softmax(-1)
+        out += (-logp.gather(-1, target[s - first : s - first + chunk, None])[:, 0]).tolist()
     return out
 
 def shallow_copy(cache: DynamicCache) -> DynamicCache:

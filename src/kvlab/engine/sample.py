@@ -91,7 +91,8 @@ def evaluate_samples(
     decoding only the rows that leave it. With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
-    (`decode.noise_floor`) is measured on the full row of the first `noise_samples` samples (None: every sample).
+    (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample),
+    stepped together as one batch; its seconds are split evenly among them.
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -104,16 +105,24 @@ def evaluate_samples(
                                          plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens)
     reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
     paths = dict(zip(wanted, answers))
-    rows = []
+    rows, pending = [], []
     for i, pl in enumerate(plans):
         rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s, noise_samples is None or i < noise_samples)
+                      reference_s, pending if noise_samples is None or i < noise_samples else None)
+    if pending:
+        t0 = time.perf_counter()
+        floors = noise_floor(model, [request for request, _ in pending])
+        each = (time.perf_counter() - t0) / len(pending)
+        for (_, made), floor in zip(pending, floors):
+            for row in made:
+                row.update(floor, noise_s=each)
     return rows
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, measure_noise: bool) -> list[dict]:
-    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer)."""
+          reference_s: float, pending: list | None) -> list[dict]:
+    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer). With `pending` (a
+    list), each full row with a KL path adds its noise-floor request and its rows, to be filled in later."""
     sample, p = pl.sample, pl.sample.prompt
     rows = []
     for key, labelled in pl.turns_of.items():
@@ -144,10 +153,8 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
             noise = dict.fromkeys(("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"))
             if logp is not None:
                 div = divergence(logp, path, ref)
-            if logp is not None and measure_noise:
-                t0 = time.perf_counter()
-                noise = {**noise_floor(model, caches[ref], turn_tail, path, base.length, logp[ref]),
-                         "noise_s": time.perf_counter() - t0}
+            # its own copy of the reference's log-probabilities: a view would keep every row's alive
+            request = (caches[ref], turn_tail, path, base.length, logp[ref].clone()) if logp is not None and pending is not None else None
             for i, variant in enumerate(variants):
                 prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
                 row = {
@@ -177,9 +184,13 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     # answer is the full cache's; on the full row itself, a near-tie between its parallel and
                     # its step-by-step pass: the numerical noise floor)
                     "diverged_at": first[i],
-                    # on the full row: the same cache teacher-forced alone, token by token (`noise_floor`), the floor of KL and
-                    # of answer changes that rounding alone produces; empty on every other row
-                    **(noise if i == ref else dict.fromkeys(noise)),
+                    # on the full row: the same cache teacher-forced again, token by token, in a batch of other prompts
+                    # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
+                    # changes that rounding alone produces; empty on every other row
+                    **noise,
                 }
-                rows += [{**row, "question_mode": mode} for mode in labelled[number]]
+                made = [{**row, "question_mode": mode} for mode in labelled[number]]
+                rows += made
+                if i == ref and request is not None:
+                    pending.append((request, made))
     return rows

@@ -1,6 +1,7 @@
-"""The measured noise floor (the `noise_floor` query): the full cache teacher-forced alone, one token at a time,
-against its one pass in the batch of every row, per model and compute dtype, with the same intervals as any other KL and answer share
-(kvlab.report.stats). Shown beside every KL claim and in the divergence section."""
+"""The measured noise floor (the `noise_floor` query): the full cache teacher-forced again one token at a time (in a
+padded batch of other prompts' full rows), against its one pass in the batch of every row, per model and compute
+dtype, with the same intervals as any other KL and answer share (kvlab.report.stats). Shown beside every KL claim and
+in the divergence section."""
 
 from __future__ import annotations
 

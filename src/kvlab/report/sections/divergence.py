@@ -31,9 +31,9 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "full cache's own answer, so the KL says how far a method's next-token distribution drifts where "
         "the uncompressed model was going. kl_low, kl_high: one-sided 95% bounds of the mean KL (bootstrap over "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + table(with_bounds(q["divergence"], rule))
-        + "<h3>Noise floor</h3><p>The full cache against itself: each full row teacher-forced a second time, alone "
-        "and one token at a time as decoding feeds it, along the same path, against its one pass in the batch of "
-        "every row. Its KL and the answers its greedy choice would change are what rounding alone does, in this "
-        "model and compute dtype: a method's KL or answer change no larger than this is no evidence. Bounds as "
+        + "<h3>Noise floor</h3><p>The full cache against itself: each full row teacher-forced a second time, one "
+        "token at a time as decoding feeds it, along the same path, in a padded batch with other prompts' full rows, "
+        "against its one pass in the batch of every row of its own prompt. Its KL and the answers its greedy choice "
+        "would change are what rounding alone does, in this model and compute dtype: a method's KL or answer change no larger than this is no evidence. Bounds as "
         "above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
     )
