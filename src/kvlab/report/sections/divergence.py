@@ -34,6 +34,6 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + "<h3>Noise floor</h3><p>The full cache against itself: each full row teacher-forced a second time, one "
         "token at a time as decoding feeds it, along the same path, in a padded batch with other prompts' full rows, "
         "against its one pass in the batch of every row of its own prompt. Its KL and the answers its greedy choice "
-        "would change are what rounding alone does, in this model and compute dtype: a method's KL or answer change no larger than this is no evidence. Bounds as "
-        "above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
+        "would change are what rounding alone does, in this model and compute dtype: a method's KL or answer "
+        "change no larger than this is no evidence. Bounds as above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
     )
