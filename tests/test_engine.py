@@ -636,36 +636,6 @@ def test_verified_decoding_gives_every_row_its_own_greedy_answer(tiny, sharp):
     assert max(shared) > 0
 
 
-def test_quantized_rows_decode_after_a_known_prefix_as_stepping_through_it(tiny, sharp, monkeypatch):
-    """greedy_decode with `known` (how verified_decode resumes diverged quantized rows): the prefix goes in one pass
-    read as if fed token by token (stream; a plain chunk would attend to itself unquantized), and the answer that
-    follows is the one stepping through the prefix gives, also across the residual window's flushes (KIVI-2 with
-    groups of 8) and with every token quantized (INT8)."""
-    calls = []
-    forward = Batch.forward
-
-    def recorded(self, ids, start, logits_to_keep=1, stream=False):
-        calls.append((ids.shape[1], start, stream))
-        return forward(self, ids, start, logits_to_keep, stream)
-
-    monkeypatch.setattr(Batch, "forward", recorded)
-    tokenizer = tiny[1]
-    grid = variants({name: VERIFY_METHODS[name] for name in ("kivi2", "int8")}, [1.0])
-    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tokenizer, 600)
-    base = prefill(sharp, sample.prompt.context)
-    tail = sample.prompt.question + sample.prompt.suffix
-    for variant in grid:
-        cache = compress(sharp, base, variant)
-        every = greedy_decode(sharp, [cache], tail, base.length, 20, stop=False)[0]
-        for k in (1, 5, 11):
-            calls.clear()
-            rest = greedy_decode(sharp, [cache], tail, base.length, 20 - k, stop=False, known=every[:k])[0]
-            assert rest == every[k:], (variant.label, k)
-            # the tail as a chunk, the prefix in one streamed pass, then one-token steps
-            assert calls[:2] == [(len(tail), base.length, False), (k, base.length + len(tail), True)]
-            assert all(n == 1 and not stream for n, _, stream in calls[2:]) and len(calls) == 2 + 20 - k - 1
-
-
 def test_first_divergence_finds_the_first_other_choice():
     from kvlab.engine import first_divergence
 

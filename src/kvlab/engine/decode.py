@@ -19,36 +19,26 @@ from kvlab.kernels.layer import own_layout
 @torch.no_grad()
 @record_function("kvlab.greedy_decode")
 def greedy_decode(
-    model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int, stop: bool = True,
-    known: list[int] = (),
+    model, caches: list[DynamicCache], tail: list[int], start: int, max_new_tokens: int, stop: bool = True
 ) -> list[list[int]]:
     """Feed `tail` after each cache at original positions `start…`, then decode greedily, all rows as one
     batch, until every row has produced EOS or the cap. Each row's ids end at its first EOS (with `stop`
     false EOS is ignored: exactly `max_new_tokens` steps, for timing).
-
-    `known`: the first tokens of every row's answer, known in advance (a prefix every row was verified to choose),
-    fed after the tail in one pass read as if fed one token at a time (`Batch.forward(stream=True)`, so every cache
-    must be streamable); the rows then decode from there, and their answers start after it.
 
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
     RoPE rotation they were cached with. A re-rotated cache (KeyRerotationPress) continues at its kept length.
     """
     batch = Batch(model, caches)
     x = torch.tensor([tail] * batch.size, device=model.device)
-    if known:
-        batch.forward(x, start)  # the tail as one chunk, as decoding feeds it
-        x, start = torch.tensor([list(known)] * batch.size, device=model.device), start + len(tail)
-    return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set(), stream=bool(known))
+    return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set())
 
 
-def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: set[int], stream: bool = False) -> list[list[int]]:
-    """Feed `x` (B, n) at position `pos` (with `stream`, read as if fed one token at a time), then decode every row
-    greedily until EOS or the cap."""
+def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or the cap."""
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max_new_tokens):
-        nxt = batch.forward(x, pos, stream=stream)[:, -1].argmax(-1)
-        stream = False
+        nxt = batch.forward(x, pos)[:, -1].argmax(-1)
         pos += x.shape[1]
         going = []
         for row, token in enumerate(nxt.tolist()):
@@ -181,9 +171,8 @@ def verified_decode(
     position of it (EOS included) produces exactly that answer (tests/test_engine.py checks the answers against
     decoding every row). So the reference row (`ref`) is decoded alone;
     one teacher-forced pass along its answer (which the KL needs anyway) gives every row's choice at every
-    position; only rows that diverge are decoded, from the prefix of the answer they share: dense ones fed it with
-    the tail in one pass, quantized ones in one pass read as if fed token by token, H2O ones (which evict after
-    every token) step by step from the tail; each kind as one batch. Returns the answers, the
+    position; only rows that diverge are decoded: dense ones from the prefix they all share (fed in one pass),
+    stepwise ones (quantized, H2O) from the tail, each kind as one batch. Returns the answers, the
     teacher-forced log-probabilities (B, len(path), V) along the reference's answer, and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
@@ -198,21 +187,15 @@ def verified_decode(
     out = [list(path) for _ in caches]
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
     steps = [i for i in diverged if stepwise(caches[i])]
-    streamed = [i for i in steps if streams(caches[i])]
     dense = [i for i in diverged if i not in steps]
-    # Three batches, each skipping the prefix of the answer its rows share. Dense rows stack into plain tensors and
-    # take it with the tail in one chunk. One quantized or H2O row would turn every layer of a batch into per-row
-    # updates (`Rows`), so those decode apart: quantized rows take the tail as a chunk, then the prefix in one pass
-    # read as if fed token by token (stream); H2O rows evict after every token, so they step from the tail.
-    groups = [(dense, False), (streamed, True), ([i for i in steps if i not in streamed], False)]
-    for group, stream in groups:
+    # Two batches: dense rows stack into plain tensors and skip the prefix they all share (fed at once); one
+    # quantized or H2O row would turn every layer of a batch into per-row updates (`Rows`), and such rows start
+    # at the tail, as they must be fed token by token.
+    for group, shared in ((dense, min((first[i] for i in dense), default=0)), (steps, 0)):
         if group:
-            shared = min(first[i] for i in group) if group is dense or stream else 0
             prefix = path[:shared]
             with record_function("kvlab.decode_diverged"):
-                rows = [caches[i] for i in group]
-                rest = (greedy_decode(model, rows, tail, start, max_new_tokens - shared, known=prefix) if stream
-                        else greedy_decode(model, rows, tail + prefix, start, max_new_tokens - shared))
+                rest = greedy_decode(model, [caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)
             for i, answer in zip(group, rest):
                 out[i] = prefix + answer
     return Verified(out, logp, first, t1 - t0 + time.perf_counter() - t2, t2 - t1)
