@@ -23,6 +23,26 @@ def test_wilson_matches_scipy_and_the_closed_form(k, n):
 def test_wilson_known_values():
     assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(7, 10) == pytest.approx((0.3968, 0.8922), abs=1e-4)
+    assert wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+
+
+@pytest.mark.parametrize("n,p_full,lost,gained", [(50, 0.8, 0.15, 0.2), (100, 0.7, 0.2, 0.1)])
+def test_paired_bounds_cover_a_planted_drop(n, p_full, lost, gained):
+    """500 simulated grids of n paired answers with a known true drop (the full cache right with p_full; a method
+    loses a right answer with `lost` and fixes a wrong one with `gained`): each one-sided 95% bound of drop_bounds
+    falls on its side of the true drop in at least 93% of them."""
+    rng = np.random.default_rng(1)
+    true = 100 * (p_full - (p_full * (1 - lost) + (1 - p_full) * gained))
+    low_ok = high_ok = 0
+    for _ in range(500):
+        full = rng.random(n) < p_full
+        u = rng.random(n)
+        method = np.where(full, u >= lost, u < gained)
+        b = drop_bounds(full.astype(float), method.astype(float))
+        low_ok += b.low <= true
+        high_ok += b.high >= true
+    assert low_ok >= 0.93 * 500 and high_ok >= 0.93 * 500
 
 
 def test_identical_answers_at_n200_are_safe():

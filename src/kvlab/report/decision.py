@@ -70,8 +70,9 @@ def evidence(r) -> str:
                   else "too few samples to bound it")
         text = f"KL {r['kl_mean_nats']:.3g} nat, {bounds}, n={r['samples']}"
     else:
-        text = (f"{r['accuracy']:.0%} [{r['accuracy_low']:.0%}, {r['accuracy_high']:.0%}] vs full {r['full_accuracy']:.0%}, "
-                f"drop {r['drop_points']:+.1f} pts, bounds [{r['drop_low']:+.1f}, {r['drop_high']:+.1f}], n={r['samples']}")
+        text = (f"{r['accuracy']:.0%} [{r['accuracy_low']:.0%}, {r['accuracy_high']:.0%}] vs full {r['full_accuracy']:.0%} "
+                f"[{r['full_low']:.0%}, {r['full_high']:.0%}], drop {r['drop_points']:+.1f} pts, "
+                f"bounds [{r['drop_low']:+.1f}, {r['drop_high']:+.1f}], n={r['samples']}")
     if r["decision"] == "inconclusive":
         n = r["n_to_decide"]
         text += (f"; ~{n:,.0f} samples to decide" if math.isfinite(n) else "; no n decides it" if n == math.inf

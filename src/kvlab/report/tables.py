@@ -36,9 +36,14 @@ def pooled(by_task: pd.DataFrame, common_tasks: bool = False) -> pd.DataFrame:
 
 
 def with_wilson(acc: pd.DataFrame, count: str = "rows") -> pd.DataFrame:
-    """The rows with their accuracy's Wilson 95% interval over the answers counted in `count`."""
-    bounds = [wilson(a * n, n) for a, n in zip(acc["accuracy"], acc[count])]
-    return acc.assign(accuracy_low=[b[0] for b in bounds], accuracy_high=[b[1] for b in bounds])
+    """The rows with their accuracy's Wilson 95% interval over the answers counted in `count` (and the full
+    cache's, `full_low` / `full_high`, where the rows carry `full_accuracy`)."""
+    out = acc.copy()
+    for column, low, high in (("accuracy", "accuracy_low", "accuracy_high"), ("full_accuracy", "full_low", "full_high")):
+        if column in out:
+            bounds = [wilson(a * n, n) for a, n in zip(out[column], out[count])]
+            out[low], out[high] = [b[0] for b in bounds], [b[1] for b in bounds]
+    return out
 
 
 def with_kl_bounds(kl: pd.DataFrame, answers: pd.DataFrame, keys: list[str], min_samples: int) -> pd.DataFrame:

@@ -13,7 +13,7 @@ TITLE = "Accuracy vs context length"
 QUERIES = ("answers",)
 KEYS = ["model", "shape", "generator", "question_mode", "context_tokens"]
 SHOWN = ["model", "shape", "generator", "question_mode", "context_tokens", "method", "budget", "samples", "accuracy", "accuracy_low",
-         "accuracy_high", "full_accuracy", "drop_points", "drop_low", "drop_high", "decision", "n_to_decide"]
+         "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "decision", "n_to_decide"]
 
 
 def with_generator(rows: pd.DataFrame) -> pd.DataFrame:

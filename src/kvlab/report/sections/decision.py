@@ -9,7 +9,7 @@ from kvlab.report.html import table
 TITLE = "Decision table (article §7.2), regenerated"
 QUERIES = ("answers",)
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "kv_fraction_bf16", "samples", "answers", "accuracy",
-         "accuracy_low", "accuracy_high", "full_accuracy", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
+         "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
          "kl_low", "kl_high", "decision", "n_to_decide"]
 
 

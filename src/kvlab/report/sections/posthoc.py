@@ -12,7 +12,7 @@ TITLE = "Trained-for structures, applied post hoc (article §5–§6)"
 QUERIES = ("posthoc_reads",)
 CLAIMS = [15, 16]
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "read_share", "stored_share_bf16", "accuracy",
-         "accuracy_low", "accuracy_high", "full_accuracy", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high",
+         "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high",
          "decision", "samples"]
 
 

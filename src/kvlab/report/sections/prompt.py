@@ -10,7 +10,7 @@ TITLE = "Prompt compression (article §7)"
 QUERIES = ()
 CLAIMS = [17]
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "kv_fraction_bf16", "accuracy", "accuracy_low",
-         "accuracy_high", "full_accuracy", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high", "decision", "samples"]
+         "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high", "decision", "samples"]
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:

@@ -65,7 +65,7 @@ def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
     a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["policy"] == "kivi")
                        & (by_task["budget"] == 1)], common_tasks=True)
     a = with_wilson(a).set_index(["model", "key_axis", "value_axis"])[
-        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "delta_points", "rows", "tasks"]]
+        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "delta_points", "rows", "tasks"]]
     return out.join(a).reset_index().rename(columns={"key_axis": "keys per", "value_axis": "values per"})
 
 
@@ -90,7 +90,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     baseline = ""
     if not versus.empty:
         versus = versus.assign(times_lower=versus["kl_mean_nats_hf"] / versus["kl_mean_nats"])[
-            ["model", "bits", "context_tokens", "method", "kl_mean_nats", "method_hf", "kl_mean_nats_hf", "times_lower"]]
+            ["model", "bits", "context_tokens", "method", "kl_mean_nats", "kl_low", "kl_high", "samples", "method_hf",
+             "kl_mean_nats_hf", "kl_low_hf", "kl_high_hf", "samples_hf", "times_lower"]]
         baseline = "<h3>Against transformers' QuantizedCache (same bits, G and R)</h3>" + table(versus)
     ablation = ablation_table(kl, by_task)
     policies = policy_table(kl)
