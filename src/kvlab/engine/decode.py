@@ -64,15 +64,9 @@ def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]]
     sliding = any(is_sliding(model, i) for i in range(len(requests[0][0].layers))) if requests else False
     if len(requests) < 2 or sliding:
         return [greedy_decode(model, [cache], tail, start, max_new_tokens)[0] for cache, tail, start in requests]
-    fed, first = [], []
-    for cache, tail, start in requests:
-        one = Batch(model, [cache])
-        first.append(one.forward(torch.tensor([tail], device=model.device), start)[:, -1].argmax(-1))
-        fed.append(one.cache)
-    batch = Batch(model, fed)
-    batch.shift = torch.tensor([start + len(tail) for _, tail, start in requests], device=model.device)
+    batch, logits = _joined(model, requests)
     eos = stop_ids(model)
-    first = torch.cat(first)
+    first = logits.argmax(-1)
     out = [[t] for t in first.tolist()]
     going = [i for i, t in enumerate(first.tolist()) if t not in eos]
     if max_new_tokens > 1 and going:
@@ -82,6 +76,20 @@ def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]]
         for i, more in zip(going, rest):
             out[i] += more
     return out
+
+
+def _joined(model, requests: list[tuple[DynamicCache, list[int], int]]) -> tuple[Batch, torch.Tensor]:
+    """Each request's tail fed to its own cache `(cache, tail, start)`, then every row joined into one right-padded
+    batch whose positions continue per row (`Batch.shift`: feeding at position p puts row i at start + len(tail) + p);
+    and each row's last logits (B, V), which predict its first new token."""
+    first, fed = [], []
+    for cache, tail, start in requests:
+        one = Batch(model, [cache])
+        first.append(one.forward(torch.tensor([tail], device=model.device), start)[:, -1])
+        fed.append(one.cache)
+    batch = Batch(model, fed)
+    batch.shift = torch.tensor([start + len(tail) for _, tail, start in requests], device=model.device)
+    return batch, torch.cat(first)
 
 
 def stepwise(cache: DynamicCache) -> bool:
@@ -211,19 +219,10 @@ def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]
     the greedy choice at each position (len(path),)."""
     if len(requests) > 1 and any(is_sliding(model, i) for i in range(len(requests[0][0].layers))):
         return [out for request in requests for out in stepped(model, [request])]
-    first, fed = [], []
-    for cache, tail, path, start in requests:
-        if not tail or not path:
-            raise ValueError("stepping a path needs a tail token after the cache and at least one path token")
-        one = Batch(model, [cache])
-        first.append(one.forward(torch.tensor([tail], device=model.device), start)[0, -1])
-        fed.append(one.cache)
+    if any(not tail or not path for _, tail, path, _ in requests):
+        raise ValueError("stepping a path needs a tail token after the cache and at least one path token")
+    batch, first = _joined(model, [(cache, tail, start) for cache, tail, _, start in requests])
     paths = [path for _, _, path, _ in requests]
-    if len(requests) == 1:
-        batch, pos = one, requests[0][3] + len(requests[0][1])
-    else:
-        batch, pos = Batch(model, fed), 0
-        batch.shift = torch.tensor([start + len(tail) for _, tail, _, start in requests], device=model.device)
     logits = [[f] for f in first]
     live = list(range(len(requests)))
     for step in range(max(map(len, paths)) - 1):
@@ -233,7 +232,7 @@ def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]
         if len(going) < len(live):
             batch.keep(going)
             live = [live[r] for r in going]
-        out = batch.forward(torch.tensor([[paths[i][step]] for i in live], device=model.device), pos + step)[:, -1]
+        out = batch.forward(torch.tensor([[paths[i][step]] for i in live], device=model.device), step)[:, -1]
         for row, i in enumerate(live):
             logits[i].append(out[row])
     results = []

@@ -15,6 +15,7 @@ from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
 
 
+NOISE_COLUMNS = ("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s")  # set on measured full rows by `noise_floor`
 QUESTION_MODES = {  # mode -> (what the cache was compressed with, which turns it labels)
     "agnostic": ("agnostic", lambda turn: True),  # the context alone: no question ever seen
     "aware": ("aware", lambda turn: turn == 1),  # the question asked is inside the compressed prompt
@@ -150,7 +151,6 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 if kl and p.reference:
                     logp, path = teacher_forced(model, caches, turn_tail, p.reference, base.length)[0], p.reference
                 tf_s = time.perf_counter() - t0
-            noise = dict.fromkeys(("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"))
             if logp is not None:
                 div = divergence(logp, path, ref)
             # its own copy of the reference's log-probabilities: a view would keep every row's alive
@@ -187,7 +187,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     # on the full row: the same cache teacher-forced again, token by token, in a batch of other prompts
                     # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
                     # changes that rounding alone produces; empty on every other row
-                    **noise,
+                    **dict.fromkeys(NOISE_COLUMNS),
                 }
                 made = [{**row, "question_mode": mode} for mode in labelled[number]]
                 rows += made
