@@ -190,3 +190,68 @@ def test_samples_per_context_length(tokenizer):
     assert {s.prompt.sha1 for s in long} < {s.prompt.sha1 for s in more}
     with pytest.raises(ValueError, match="no entry for context length 800"):
         at_length("niah", spec, tokenizer, 800)
+
+
+def test_samples_are_independent_prompts(tokenizer, monkeypatch):
+    """Issue 20 part 7: no two samples of a task at one length share a needle or a stretch of prose, even where the
+    seeds alone would give them one. On a corpus cut to its first 2,000 sentences, 20 prose haystacks of ~1K tokens
+    overlap as first drawn (checked: with one draw allowed the generator fails); the generator redraws them, and
+    every needle and every prose span is then unique."""
+    import kvlab.tasks.base as base
+    import kvlab.tasks.haystack as haystack
+    from kvlab.tasks.base import Sample
+
+    small = haystack.kjv_sentences()[:2000]
+    monkeypatch.setattr(haystack, "kjv_sentences", lambda: small)
+    monkeypatch.setattr(base, "REDRAWS", 1)
+    with pytest.raises(ValueError, match="overlapping prose text"):
+        generate(tokenizer, "niah_prose_multi", 1000, samples=20)
+    monkeypatch.setattr(base, "REDRAWS", 100)
+    samples = generate(tokenizer, "niah_prose_multi", 1000, samples=20)
+    assert all(a.clash(b) is None for i, a in enumerate(samples) for b in samples[:i])
+    needles = [n for s in samples for n in s.meta["needles"]]
+    assert len(needles) == len(set(needles)) == 20 * 4 * 2
+    taken = [(s.meta["span"][1] + j) % len(small) for s in samples for j in range(s.meta["span"][2])]
+    assert len(taken) == len(set(taken))  # no sentence in two haystacks
+    prose = generate(tokenizer, "continuation", 1000, samples=12)
+    spans = sorted(s.meta["span"][1:3] for s in prose)
+    assert all(start + count <= nxt for (start, count), (nxt, _) in zip(spans, spans[1:]))
+
+    # clash itself: overlapping spans (also across the pool's end), shared needles, one prompt
+    a = samples[0]
+
+    def like(k, span=None, needles=()):  # sample k's prompt with a span and needles of our choosing
+        return Sample(**{**a.__dict__, "prompt": samples[k].prompt, "meta": {"span": span, "needles": list(needles)}})
+
+    size = a.meta["span"][3]
+    assert like(1, ("prose", 10, 5, size)).clash(like(2, ("prose", 14, 5, size))) == "overlapping prose text"
+    assert like(1, ("prose", 10, 5, size)).clash(like(2, ("prose", 15, 5, size))) is None  # adjacent, not overlapping
+    assert like(1, ("prose", size - 2, 5, size)).clash(like(2, ("prose", 2, 5, size))) == "overlapping prose text"  # wraps
+    assert like(1, ("prose", size - 2, 5, size)).clash(like(2, ("prose", 3, 5, size))) is None
+    assert like(1, ("noise", 10, 5, size)).clash(like(2, ("prose", 10, 5, size))) is None  # another pool
+    assert like(1, needles=["x", "y"]).clash(like(2, needles=["y"])) == "a needle in common"
+    assert like(1).clash(like(1)) == "the same prompt"
+
+
+def test_redraws_are_seeded_and_give_up_with_a_clear_error(tokenizer):
+    """A clashing draw is replaced by one from its own redraw seed (so runs repeat), and a generator that cannot
+    make enough distinct prompts fails in one line that names the task and what to change."""
+    import random
+
+    from kvlab.tasks.base import independent
+
+    base = generate(tokenizer, "niah")[0]
+
+    def make(rng):
+        value = rng.choice([1, 2])  # two distinct prompts only
+        return type(base)(**{**base.__dict__, "prompt": type(base.prompt)([value], [], []), "meta": {}})
+
+    seeds = ["s0", "s1"]
+    first = independent("tiny", [(s, make) for s in seeds])
+    assert first[0].prompt.context != first[1].prompt.context
+    assert [s.prompt.context for s in first] == [s.prompt.context for s in independent("tiny", [(s, make) for s in seeds])]
+    clashed = next(s for s in (f"s{i}" for i in range(1, 50)) if random.Random(s).choice([1, 2]) == first[0].prompt.context[0])
+    redrawn = independent("tiny", [("s0", make), (clashed, make)])
+    assert redrawn[1].prompt.context != redrawn[0].prompt.context
+    with pytest.raises(ValueError, match=r"task 'tiny': sample 3 of 3 still shares the same prompt .* ask fewer samples"):
+        independent("tiny", [(s, make) for s in ("s0", "s1", "s2")])

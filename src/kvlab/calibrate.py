@@ -50,7 +50,7 @@ def calibration_sequences(tokenizer, sequences: int, tokens: int, seed: int) -> 
     pool = kjv_sentences("calibration")
     rng = random.Random(f"calibration:{seed}")
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
-    return [prose_ids(tokenizer, pool, rng.randrange(len(pool)), tokens, bos)[:tokens] for _ in range(sequences)]
+    return [prose_ids(tokenizer, pool, rng.randrange(len(pool)), tokens, bos)[0][:tokens] for _ in range(sequences)]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -52,15 +52,16 @@ def _first_long_string(path: Path) -> str:
     raise RuntimeError(f"{path}: no text literal found; is '{PACKAGE}' the expected version (0.0.2)?")
 
 
-def prose_ids(tokenizer, sentences: tuple[str, ...], start: int, want: int, prefix: list[int] = ()) -> list[int]:
-    """`prefix` + the tokens of consecutive sentences from `start` (wrapping around), at least `want` long.
-    Sentences are joined with spaces and tokenized as one text; the caller cuts in tokens."""
+def prose_ids(tokenizer, sentences: tuple[str, ...], start: int, want: int, prefix: list[int] = ()) -> tuple[list[int], int]:
+    """`prefix` + the tokens of consecutive sentences from `start` (wrapping around), at least `want` long, and
+    how many sentences they hold. Sentences are joined with spaces and tokenized as one text; the caller cuts in
+    tokens."""
     text, j = "", start
     while True:
         text += sentences[j % len(sentences)] + " "
         j += 1
         if len(text) > 3 * want and len(ids := list(prefix) + tokenizer.encode(text, add_special_tokens=False)) >= want:
-            return ids
+            return ids, j - start
 
 
 @lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import random
 
-from kvlab.tasks.base import Sample, chat_prompt
+from kvlab.tasks.base import Sample, chat_prompt, independent
 
 NAMES = ("Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Leo")
 INSTRUCTION = "Solve the problem step by step, briefly, then finish with: The answer is N."
@@ -74,27 +74,24 @@ TEMPLATES = (marbles, bakery, train, savings, orchard)
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    out = []
-    for i in range(spec["samples"]):
-        rng = random.Random(f"{name}:{spec['seed']}:{i}")
+    def make(i: int, rng: random.Random) -> Sample:
         who, friend = rng.sample(NAMES, 2)
         template = TEMPLATES[i % len(TEMPLATES)]
         problem, question, answer = template(rng, who, friend)
         prompt = chat_prompt(tokenizer, f"{INSTRUCTION}\n\n{problem}", f" {question}")
         if prompt.tokens > context_tokens:
             raise ValueError(f"task '{name}': context_tokens {context_tokens} is too short; a problem needs {prompt.tokens} tokens")
-        out.append(
-            Sample(
-                task=name,
-                kind="arithmetic",
-                sample_id=f"{name}-{template.__name__}-s{i}",
-                context_tokens=context_tokens,
-                depth=None,
-                seed=spec["seed"],
-                prompt=prompt,
-                gold=[str(answer)],
-                metric="last_number",
-                meta={"template": template.__name__},
-            )
+        return Sample(
+            task=name,
+            kind="arithmetic",
+            sample_id=f"{name}-{template.__name__}-s{i}",
+            context_tokens=context_tokens,
+            depth=None,
+            seed=spec["seed"],
+            prompt=prompt,
+            gold=[str(answer)],
+            metric="last_number",
+            meta={"template": template.__name__},
         )
-    return out
+
+    return independent(name, [(f"{name}:{spec['seed']}:{i}", lambda rng, i=i: make(i, rng)) for i in range(spec["samples"])])

@@ -100,6 +100,19 @@ class Sample:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def clash(self, other: Sample) -> str | None:
+        """Why this sample is not independent of `other` (None if it is): the same prompt, a needle in common
+        (meta `needles`: the sentences that hold the answer), or overlapping stretches of one corpus (meta `span`:
+        pool, first sentence, sentences, pool size; a span wraps around the pool's end)."""
+        if self.prompt.sha1 == other.prompt.sha1:
+            return "the same prompt"
+        if set(self.meta.get("needles", ())) & set(other.meta.get("needles", ())):
+            return "a needle in common"
+        a, b = self.meta.get("span"), other.meta.get("span")
+        if a and b and a[0] == b[0] and ((b[1] - a[1]) % a[3] < a[2] or (a[1] - b[1]) % a[3] < b[2]):
+            return f"overlapping {a[0]} text"
+        return None
+
 
 def chat_pieces(tokenizer, before: str, question: str) -> tuple[str, str, str]:
     """Apply the chat template to one user turn; return (template head + `before`, `question`, suffix).
@@ -144,15 +157,38 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+REDRAWS = 100  # draws per sample before `independent` gives up
+
+
+def independent(name: str, draws: list[tuple[str, Callable[[random.Random], Sample]]]) -> list[Sample]:
+    """One sample per (seed text, make) in `draws`, each `make(rng)` with an rng seeded by its text. A sample that
+    clashes with an earlier one (`Sample.clash`: the same prompt, a shared needle, an overlapping stretch of corpus)
+    is drawn again from `text:redraw{k}`, so every sample of a task at one length is an independent prompt, and
+    adding a sample leaves the earlier ones unchanged."""
+    kept: list[Sample] = []
+    for text, make in draws:
+        for k in range(REDRAWS):
+            sample = make(random.Random(text if k == 0 else f"{text}:redraw{k}"))
+            why = next((w for w in map(sample.clash, kept) if w), None)
+            if why is None:
+                kept.append(sample)
+                break
+        else:
+            raise ValueError(f"task '{name}': sample {len(kept) + 1} of {len(draws)} still shares {why} with another after "
+                             f"{REDRAWS} draws; the generator has too few distinct prompts at this length: ask fewer samples")
+    return kept
+
+
 def grid_samples(name: str, spec: dict, tokenizer, context_tokens: int, points, make: Callable) -> list[Sample]:
-    """`spec["samples"]` samples per grid point (a depth, a distance), each from
+    """`spec["samples"]` independent samples per grid point (a depth, a distance), each from
     `make(name, spec, tokenizer, context_tokens, point, index, rng)` with its own rng, seeded by task name,
     seed, context length, point and index — so adding a point or a sample leaves the others unchanged."""
-    return [
-        make(name, spec, tokenizer, context_tokens, point, i, random.Random(f"{name}:{spec['seed']}:{context_tokens}:{point}:{i}"))
+    return independent(name, [
+        (f"{name}:{spec['seed']}:{context_tokens}:{point}:{i}",
+         lambda rng, point=point, i=i: make(name, spec, tokenizer, context_tokens, point, i, rng))
         for point in points
         for i in range(spec["samples"])
-    ]
+    ])
 
 
 def fit(name: str, target: int, build: Callable[[int], Prompt]) -> int:

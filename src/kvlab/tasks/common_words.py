@@ -7,17 +7,17 @@ from __future__ import annotations
 import random
 
 from kvlab.corpus import kjv_vocabulary
-from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit
+from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, independent
 
 INSTRUCTION = "Below is a numbered list of words. Some words appear more often than the others: remember which."
 QUESTION = "What are the {k} most common words in the list above? Answer with the {k} words only."
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    return [
-        make_sample(name, spec, tokenizer, context_tokens, i, random.Random(f"{name}:{spec['seed']}:{context_tokens}:{i}"))
+    return independent(name, [
+        (f"{name}:{spec['seed']}:{context_tokens}:{i}", lambda rng, i=i: make_sample(name, spec, tokenizer, context_tokens, i, rng))
         for i in range(spec["samples"])
-    ]
+    ])
 
 
 def make_sample(name: str, spec: dict, tokenizer, target: int, index: int, rng) -> Sample:

@@ -7,32 +7,30 @@ from __future__ import annotations
 import random
 
 from kvlab.corpus import kjv_sentences, prose_ids
-from kvlab.tasks.base import Prompt, Sample
+from kvlab.tasks.base import Prompt, Sample, independent
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
     sentences = kjv_sentences()
     want = context_tokens + spec["continuation_tokens"]
-    out = []
-    for i in range(spec["samples"]):
-        rng = random.Random(f"{name}:{spec['seed']}:{context_tokens}:{i}")
+
+    def make(i: int, rng: random.Random) -> Sample:
         start = rng.randrange(len(sentences))
-        ids = prose_ids(tokenizer, sentences, start, want)
+        ids, count = prose_ids(tokenizer, sentences, start, want)
         # The last prefix token is fed with the continuation, so every continuation token is predicted
         # from a possibly compressed cache.
         prompt = Prompt(ids[: context_tokens - 1], [], ids[context_tokens - 1 : context_tokens], reference=ids[context_tokens:want])
-        out.append(
-            Sample(
-                task=name,
-                kind="continuation",
-                sample_id=f"{name}-{context_tokens}-s{i}",
-                context_tokens=context_tokens,
-                depth=None,
-                seed=spec["seed"],
-                prompt=prompt,
-                gold=[],
-                metric="none",
-                meta={"first_sentence": start},
-            )
+        return Sample(
+            task=name,
+            kind="continuation",
+            sample_id=f"{name}-{context_tokens}-s{i}",
+            context_tokens=context_tokens,
+            depth=None,
+            seed=spec["seed"],
+            prompt=prompt,
+            gold=[],
+            metric="none",
+            meta={"first_sentence": start, "span": ("prose", start, count, len(sentences))},
         )
-    return out
+
+    return independent(name, [(f"{name}:{spec['seed']}:{context_tokens}:{i}", lambda rng, i=i: make(i, rng)) for i in range(spec["samples"])])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from kvlab.corpus import kjv_vocabulary
-from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit
+from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, independent
 
 INSTRUCTION = "Read the following text of words and note how often each word occurs."
 QUESTION = "What are the three most frequent words in the text above? Answer with the three words only."
@@ -14,10 +14,10 @@ TOP = 3
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    return [
-        make_sample(name, spec, tokenizer, context_tokens, i, random.Random(f"{name}:{spec['seed']}:{context_tokens}:{i}"))
+    return independent(name, [
+        (f"{name}:{spec['seed']}:{context_tokens}:{i}", lambda rng, i=i: make_sample(name, spec, tokenizer, context_tokens, i, rng))
         for i in range(spec["samples"])
-    ]
+    ])
 
 
 def zipf_counts(total: int, alpha: float) -> list[int]:

@@ -27,8 +27,14 @@ class Filler:
     def __init__(self, kind: str, rng: random.Random):
         if kind not in KINDS:
             raise ValueError(f"haystack '{kind}' is unknown; use one of {', '.join(KINDS)}")
+        self.kind = kind
         self.pool = NOISE if kind == "noise" else kjv_sentences()
         self.start = rng.randrange(len(self.pool))
 
     def take(self, n: int) -> list[str]:
         return [self.pool[(self.start + j) % len(self.pool)] for j in range(n)]
+
+    def span(self, n: int) -> tuple | None:
+        """The stretch of corpus `take(n)` returns, as `Sample.clash` compares them: (pool, start, n, pool size); None
+        for the noise haystack, which every sample shares by design (RULER's noise haystack is one repeated text)."""
+        return None if self.kind == "noise" else (self.kind, self.start, n, len(self.pool))

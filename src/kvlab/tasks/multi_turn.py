@@ -33,5 +33,5 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
         seed=spec["seed"],
         prompt=build(n),
         gold=[v1],
-        meta={"keys": [first, second], "second_depth": inserts[1][0]},
+        meta={"keys": [first, second], "second_depth": inserts[1][0], "needles": [s for _, s in inserts], "span": filler.span(n)},
     )

@@ -104,5 +104,6 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
         seed=spec["seed"],
         prompt=build(n),
         gold=[v for k in asked for v in values[k]],
-        meta={"keys": keys, "asked": asked, "haystack_sentences": n, "needle_sentence": round(depth * n)},
+        meta={"keys": keys, "asked": asked, "haystack_sentences": n, "needle_sentence": round(depth * n), "needles": needles,
+              "span": filler.span(n)},
     )

@@ -38,5 +38,5 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, distance: int, in
         seed=spec["seed"],
         prompt=prompt,
         gold=[value],
-        meta={"key": key, "tokens_after_needle": after, "from_end_tokens": distance},
+        meta={"key": key, "tokens_after_needle": after, "from_end_tokens": distance, "needles": [needle], "span": filler.span(n)},
     )

@@ -48,5 +48,6 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
         seed=spec["seed"],
         prompt=render(tokenizer, INSTRUCTION, filler.take(n), inserts, question, "after"),
         gold=names[:hops],
-        meta={"value": values[0], "chains": [names[c * hops : (c + 1) * hops] for c in range(chains)]},
+        meta={"value": values[0], "chains": [names[c * hops : (c + 1) * hops] for c in range(chains)],
+              "needles": [s for _, s in inserts], "span": filler.span(n)},
     )
