@@ -745,6 +745,37 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     assert itself["noise_kl"] == 0 and itself["noise_kl_max"] == 0 and itself["noise_diverged_at"] is None
 
 
+def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, sharp):
+    """The compute dtype's noise floor: the full rows of the first `other_samples` samples read again in one plain
+    forward pass by the model in another dtype. Given the run's own fp32 model, that pass is the engine's up to the
+    rounding of another chunking (KL < 1e-6, the same answers), on the first turn of both modes and on the second
+    turn (so the tokens fed before each path are the right ones: a missing turn would change the logits); given a
+    bf16 copy, the KL is far above that and the rows name the dtype. Other rows, and later samples, stay empty."""
+    import copy
+
+    from kvlab.engine import evaluate_samples
+
+    tokenizer = tiny[1]
+    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5])
+    samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
+    modes = ["agnostic", "aware", "multi_turn"]
+    columns = ["noise_dtype", "dtype_noise_kl", "dtype_noise_kl_max", "dtype_noise_diverged_at", "dtype_noise_s"]
+    same = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=sharp, other_samples=1))
+    measured = same[same["dtype_noise_kl"].notna()]
+    assert set(measured["method"]) == {"full"} and set(measured["sample_id"]) == {samples[0].sample_id}
+    assert sorted(zip(measured["question_mode"], measured["turn"])) == [("agnostic", 1), ("agnostic", 2), ("aware", 1), ("multi_turn", 2)]
+    assert (measured["dtype_noise_kl_max"] < 1e-6).all() and measured["dtype_noise_diverged_at"].isna().all()
+    assert set(measured["noise_dtype"]) == {"float32"}
+    assert same.drop(measured.index)[columns].isna().all().all()
+    half = copy.deepcopy(sharp).to(torch.bfloat16)
+    other = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=half, other_samples=2))
+    full = other[other["method"] == "full"]
+    assert full["dtype_noise_kl"].notna().all() and set(full["noise_dtype"]) == {"bfloat16"}
+    assert (full["dtype_noise_kl"] > 1e-4).all() and (full["dtype_noise_kl"] <= full["dtype_noise_kl_max"]).all()
+    pd.testing.assert_frame_equal(same.drop(columns=columns + ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]),
+                                  other.drop(columns=columns + ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]))
+
+
 def test_stepped_prompts_in_one_batch_equal_each_alone(tiny, sharp):
     """`stepped` feeds prompts of different lengths, tails and path lengths as one right-padded batch at their own
     positions: each row's log-probabilities equal its prompt stepped alone (padding is masked; fp32 rounding only),

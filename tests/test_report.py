@@ -175,12 +175,13 @@ def test_pooled_accuracy_compares_methods_on_common_tasks():
     assert common.loc["x", "accuracy"] == 1.0 and common.loc["y", "delta_points"] == -50
 
 
-NOISE_COLUMNS = ["model", "dtype", "task", "sample_id", "turn", "scored", "noise_kl", "noise_kl_max", "changed"]
+NOISE_COLUMNS = ["model", "dtype", "change", "task", "sample_id", "turn", "scored", "noise_kl", "noise_kl_max", "changed"]
+STEPS = "one-token steps in another batch"
 
 
-def noise(n: int = 12, changed: int = 1) -> pd.DataFrame:
+def noise(n: int = 12, changed: int = 1, change: str = STEPS, scale: float = 1e-9) -> pd.DataFrame:
     """The noise_floor query's rows: n full rows (prose and scored alternate), `changed` scored answers changed."""
-    return pd.DataFrame([("m", "float32", "t", f"s{i}", 1, i % 2 == 1, 1e-9 * (1 + i), 3e-9 * (1 + i),
+    return pd.DataFrame([("m", "float32", change, "t", f"s{i}", 1, i % 2 == 1, scale * (1 + i), 3 * scale * (1 + i),
                           i % 2 == 1 and i // 2 < changed) for i in range(n)], columns=NOISE_COLUMNS)
 
 
@@ -190,24 +191,31 @@ def verdicts(kl, delta) -> dict:
 
 
 def test_kl_claims_give_the_noise_floor_beside_their_evidence():
-    """C3 and C4 state the measured floor: its mean KL with bounds over samples, its largest KL and the answers
-    it changes with a Wilson interval; the divergence section tabulates the same numbers."""
+    """C3 and C4 state each measured floor (one-token steps in another batch; the other compute dtype): its mean KL
+    with bounds over samples, its largest KL and the answers it changes with a Wilson interval; the divergence
+    section tabulates the same numbers, a row per floor."""
     from kvlab.report.noise import floor
     from kvlab.report.sections import divergence
 
     kl = kl_rows(fp8=("fp8", 8, None, 0.002), kivi2=("kivi", 2, "channel", 0.1), kivi2_tok=("kivi", 2, "token", 3.0))
-    q = {"quant_kl": kl, "answers": answers(kl, None), "noise_floor": noise(12, 1)}
-    f = floor(q["noise_floor"], Rule()).iloc[0]
+    dtype = noise(4, 2, "computed in bfloat16", 1e-4)
+    q = {"quant_kl": kl, "answers": answers(kl, None), "noise_floor": pd.concat([noise(12, 1), dtype], ignore_index=True)}
+    table = floor(q["noise_floor"], Rule())
+    assert list(table["change"]) == [STEPS, "computed in bfloat16"]
+    g = table.iloc[1]
+    assert (g.samples, g.answers, g.answers_changed, g.kl_max_nats) == (4, 2, 2, pytest.approx(1.2e-3))
+    f = table.iloc[0]
     assert (f.samples, f.answers, f.answers_changed) == (12, 6, 1)
     assert f.kl_mean_nats == pytest.approx(6.5e-9) and f.kl_max_nats == pytest.approx(3.6e-8)
     assert f.kl_low < f.kl_mean_nats < f.kl_high
     low, high = wilson(1, 6)
     assert (f.changed_low, f.changed_high) == (low, high)
     for claim, _, evidence in claim_verdicts([3, 4], q):
-        assert "Noise floor" in evidence and "m (float32): KL 6.5e-09 nat [" in evidence, (claim, evidence)
+        assert "Noise floor" in evidence and f"m (float32), {STEPS}: KL 6.5e-09 nat [" in evidence, (claim, evidence)
         assert f"1/6 answers changed [{low:.0%}, {high:.0%}]" in evidence
+        assert "m (float32), computed in bfloat16: KL 0.00025 nat" in evidence and "2/2 answers changed" in evidence
     page = divergence.body({"divergence": pd.DataFrame(columns=["kl_each", "sample_each"]), **q}, Rule())
-    assert "<h3>Noise floor</h3>" in page and "float32" in page
+    assert "<h3>Noise floor</h3>" in page and "float32" in page and "computed in bfloat16" in page
     assert "Noise floor" not in claim_verdicts([3], {**q, "noise_floor": noise(0)})[0][2]
 
 
@@ -480,3 +488,34 @@ def test_context_length_section_draws_shapes_measured_at_several_lengths():
     assert "<svg" not in context_length.body({"answers": mixed}, Rule())
     one = context_length.body({"answers": rows[rows["context_tokens"] == 1024]}, Rule())
     assert "<svg" not in one and "single needle: single needle @ 1,024 (20)" in one
+
+
+def test_two_bit_ablation_gives_a_paired_drop_interval():
+    """The 2-bit ablation's accuracy change is the paired drop against the full cache on the same answers, with the
+    decision table's bootstrap bounds over samples: on 20 samples, keys per channel lose 1 answer and keys per token
+    12, on the task all four layouts ran on (a task only one ran on is left out, as the pooled accuracy leaves it)."""
+    import numpy as np
+
+    from kvlab.report.sections.quant import ablation_table
+    from kvlab.report.stats import drop_bounds
+
+    layouts = {"kivi2": ("channel", "token", 1), "kivi2_key_token": ("token", "token", 12)}
+    base = {"model": "m", "scheme": "kivi", "bits": 2, "policy": "kivi", "budget": 1.0}
+    kl = pd.DataFrame([{**base, "method": m, "key_axis": k, "value_axis": v, "context_tokens": 512, "kl_mean_nats": 0.1}
+                       for m, (k, v, _) in layouts.items()])
+    answers = pd.DataFrame([{**base, "method": m, "key_axis": k, "value_axis": v, "task": "needle", "sample_id": f"s{i}",
+                             "score": float(i >= lost), "full_score": 1.0, "kl_vs_full": None}
+                            for m, (k, v, lost) in layouts.items() for i in range(20)]
+                           + [{**base, "method": "kivi2", "key_axis": "channel", "value_axis": "token", "task": "other",
+                               "sample_id": "o1", "score": 0.0, "full_score": 1.0, "kl_vs_full": None}])
+    by_task = (answers.groupby(["model", "method", "scheme", "bits", "key_axis", "value_axis", "policy", "budget", "task"])
+               .agg(correct=("score", "sum"), full_correct=("full_score", "sum"), rows=("score", "size")).reset_index())
+    table = ablation_table(kl, by_task, answers).set_index("keys per")
+    for axis, lost in (("channel", 1), ("token", 12)):
+        kept = [float(int(i[1:]) >= lost) for i in sorted(f"s{i}" for i in range(20))]  # in per_sample's order
+        b = drop_bounds(np.ones(20), np.array(kept))
+        row = table.loc[axis]
+        assert row["drop_points"] == pytest.approx(100 * lost / 20) and row["samples"] == 20 and row["tasks"] == "needle"
+        assert (row["drop_low"], row["drop_high"]) == pytest.approx((b.low, b.high))
+        assert row["drop_low"] < row["drop_points"] < row["drop_high"]
+    assert table.loc["token", "drop_low"] > table.loc["channel", "drop_high"]  # 12 of 20 lost is told from 1 of 20

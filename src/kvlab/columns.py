@@ -8,4 +8,5 @@ DECODE_KERNEL_COLUMNS = {
 }
 
 # Eval columns later kvlab versions added, typed so the report's queries run on rows written before them.
-EVAL_COLUMNS = {"ruler_task": "string"}
+EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl": "float64", "dtype_noise_kl_max": "float64",
+                "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64"}

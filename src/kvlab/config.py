@@ -199,6 +199,9 @@ def _check_semantics(config: dict, where: str) -> None:
     if not any(m["evaluate"] for m in config["models"].values()):
         raise ConfigError(f"{where}: key 'models': no model has evaluate: true; at least one must be evaluated")
     _check_reads(config["report"], where)
+    unknown = [t for t in config["dtype_floor"]["tasks"] if t not in config["tasks"]]
+    if unknown:
+        raise ConfigError(f"{where}: key 'dtype_floor.tasks': no task {unknown[0]!r}; configured tasks: {', '.join(config['tasks'])}")
     bench = config["benchmark"]["task"]
     if bench not in config["tasks"] or config["tasks"][bench]["kind"] != "niah" or config["tasks"][bench]["question_position"] != "after":
         niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from kvlab.engine import evaluate_samples
-from kvlab.hardware import device_name
+from kvlab.hardware import device_name, other_dtype
 from kvlab.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
@@ -22,8 +22,9 @@ from kvlab.tasks import generate, max_new_tokens
 
 log = logging.getLogger(__name__)
 
-def load_model(model_dir: str | Path, dtype: str, device: str):
-    """The acquired model and tokenizer, in eval mode on `device`."""
+def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = True):
+    """The acquired model and tokenizer, in eval mode on `device` (the weights first checked against card.json unless
+    `verify` is false: a second load in the same job)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -33,7 +34,8 @@ def load_model(model_dir: str | Path, dtype: str, device: str):
     from kvlab.engine import ATTENTION
     from kvlab.models.integrity import verify_weights
 
-    verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
+    if verify:
+        verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
     model = model.to(device).eval()
@@ -65,7 +67,8 @@ def run_job(
     """Evaluate every configured variant on the task's samples; write the rows to `out_path` (Parquet).
 
     `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads, and
-    noise_floor_samples (the noise floor is measured on the job's first samples; default: all).
+    noise_floor_samples (the noise floor is measured on the job's first samples; default: all) and dtype_floor_samples
+    (the first samples whose full rows the model in the other compute dtype reads again; default: none).
     """
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
@@ -75,6 +78,13 @@ def run_job(
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
     log.info("%s: %d samples × %d variants × %d modes, answers capped at %d tokens", task, len(samples), len(grid),
              len(run["question_modes"]), cap)
+    other = None
+    if run.get("dtype_floor_samples", 0):
+        if (dtype := other_dtype(run["dtype"], run["device"])) is None:
+            log.warning("dtype_floor: %s is the only dtype that runs in hardware here; no dtype noise floor measured", run["dtype"])
+        else:
+            other = load_model(model_dir, dtype, run["device"], verify=False)[0]  # load_model above verified the files
+            log.info("dtype noise floor: the first %d samples' full rows read again in %s", run["dtype_floor_samples"], dtype)
     rows = []
     t0 = time.perf_counter()
     at_once = samples_at_once(context_tokens)
@@ -82,7 +92,9 @@ def run_job(
         for done in range(0, len(samples), at_once):
             chunk = samples[done : done + at_once]
             noise = max(0, run.get("noise_floor_samples", len(samples)) - done)  # the job's first samples
-            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_samples=noise))
+            in_dtype = max(0, run.get("dtype_floor_samples", 0) - done)
+            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_samples=noise,
+                                         other=other if in_dtype else None, other_samples=in_dtype))
             bar.update(len(chunk))
             bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
             log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
@@ -91,8 +103,9 @@ def run_job(
     frame["dtype"] = run["dtype"]
     frame["max_new_tokens"] = cap  # the decoding cap the answers ran under
     frame["diverged_at"] = frame["diverged_at"].astype("Int64")  # null where a row never left the full answer
-    frame = frame.astype({"noise_kl": "float64", "noise_kl_max": "float64", "noise_s": "float64",
-                          "noise_diverged_at": "Int64"})  # set on full rows only (typed where all are empty)
+    frame = frame.astype({"noise_kl": "float64", "noise_kl_max": "float64", "noise_s": "float64", "noise_diverged_at": "Int64",
+                          "noise_dtype": "string", "dtype_noise_kl": "float64", "dtype_noise_kl_max": "float64",
+                          "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64"})  # full rows only (typed where all are empty)
     # The byte-accounting formula beside the measured bytes: for dense caches, the kept fraction of the
     # context at the run's dtype (what the budget asks for: presses that free nothing show up here); for
     # quantized caches the engine already wrote codes + metadata + residual for the tokens held.

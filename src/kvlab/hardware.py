@@ -23,6 +23,15 @@ def bf16_matmul_native(device: str) -> bool:
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
+def other_dtype(dtype: str, device: str) -> str | None:
+    """The compute dtype a run's noise floor is measured against (config `dtype_floor`): float32 beside a half-precision
+    run; bfloat16 beside a float32 run where bf16 matmuls are native; None where they are not (an emulated bf16 pass
+    would take longer than the job)."""
+    if dtype != "float32":
+        return "float32"
+    return "bfloat16" if bf16_matmul_native(device) else None
+
+
 def compute_dtype(requested: str, device: str) -> str:
     """The config's `dtype`, with `auto` resolved where the job runs: bfloat16 where bf16 matmuls are native,
     float32 elsewhere."""

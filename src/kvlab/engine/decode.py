@@ -260,6 +260,29 @@ def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], 
     return out
 
 
+@torch.no_grad()
+@record_function("kvlab.dtype_floor")
+def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]) -> list[dict]:
+    """The reference in another compute dtype. `other` is the model loaded in that dtype (float32 beside a bfloat16
+    run); each request `(ids, path, logp_ref)` is a full row: every token id fed before its path (prompt and turn),
+    the path, and the log-probabilities (len(path), V) the run's full cache gave it. `other` reads `ids` and the path
+    in one plain forward pass (its own dense cache, the model's own attention); requests with the same tokens (the
+    agnostic and aware first turn) share it. Per request: mean and max per-token KL(run ‖ other dtype) in nats,
+    and where the other dtype's greedy choice first leaves `path` (None: nowhere)."""
+    out, done = [], {}
+    for ids, path, logp_ref in requests:
+        key = (tuple(ids), tuple(path))
+        if key not in done:
+            x = torch.tensor([list(ids) + list(path[:-1])], device=other.device)
+            logits = other(input_ids=x, logits_to_keep=len(path)).logits[0]  # the last of `ids` predicts path[0]
+            done[key] = (torch.log_softmax(logits.float(), dim=-1).to(logp_ref.device), logits.argmax(-1).to(logp_ref.device))
+        logp, choice = done[key]
+        kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
+        out.append({"dtype_noise_kl": float(kl.mean()), "dtype_noise_kl_max": float(kl.max()),
+                    "dtype_noise_diverged_at": first_divergence(choice[None], path)[0]})
+    return out
+
+
 @record_function("kvlab.divergence")
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""

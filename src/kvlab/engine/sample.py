@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import decode_references, divergence, greedy_decode, noise_floor, teacher_forced, verified_decode
+from kvlab.engine.decode import decode_references, divergence, dtype_floor, greedy_decode, noise_floor, teacher_forced, verified_decode
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -16,6 +16,7 @@ from kvlab.tasks.scoring import score
 
 
 NOISE_COLUMNS = ("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s")  # set on measured full rows by `noise_floor`
+DTYPE_NOISE_COLUMNS = ("noise_dtype", "dtype_noise_kl", "dtype_noise_kl_max", "dtype_noise_diverged_at", "dtype_noise_s")  # `dtype_floor`
 QUESTION_MODES = {  # mode -> (what the cache was compressed with, which turns it labels)
     "agnostic": ("agnostic", lambda turn: True),  # the context alone: no question ever seen
     "aware": ("aware", lambda turn: turn == 1),  # the question asked is inside the compressed prompt
@@ -76,7 +77,7 @@ def evaluate_sample(
 
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
-    kl: bool = True, noise_samples: int | None = None,
+    kl: bool = True, noise_samples: int | None = None, other=None, other_samples: int | None = None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -93,7 +94,9 @@ def evaluate_samples(
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
     (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample),
-    stepped together as one batch; its seconds are split evenly among them.
+    stepped together as one batch; its seconds are split evenly among them. With `other` (the model loaded in another
+    compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
+    (`decode.dtype_floor`): the noise floor of the compute dtype.
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -106,24 +109,43 @@ def evaluate_samples(
                                          plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens)
     reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
     paths = dict(zip(wanted, answers))
-    rows, pending = [], []
+    def measured(limit: int | None, i: int) -> bool:
+        return limit is None or i < limit
+
+    rows, pending, owner = [], [], []  # pending: (noise-floor request, its rows, the token ids before its path)
     for i, pl in enumerate(plans):
+        before = len(pending)
+        wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
         rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s, pending if noise_samples is None or i < noise_samples else None)
-    if pending:
-        t0 = time.perf_counter()
-        floors = noise_floor(model, [request for request, _ in pending])
-        each = (time.perf_counter() - t0) / len(pending)
-        for (_, made), floor in zip(pending, floors):
-            for row in made:
-                row.update(floor, noise_s=each)
+                      reference_s, pending if wanted_here else None)
+        owner += [i] * (len(pending) - before)
+    _fill(pending, [measured(noise_samples, i) for i in owner], lambda todo: noise_floor(model, [r for r, _, _ in todo]), "noise_s")
+    if other is not None:
+        dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
+        _fill(pending, [measured(other_samples, i) for i in owner],
+              lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(ids, r[2], r[4]) for r, _, ids in todo])], "dtype_noise_s")
     return rows
+
+
+def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
+    """Measure the `chosen` pending full rows at once (`measure` of their entries gives one dict of columns each)
+    and write the columns, with the seconds split evenly among them in column `seconds`, into each entry's rows."""
+    todo = [entry for entry, keep in zip(pending, chosen) if keep]
+    if not todo:
+        return
+    t0 = time.perf_counter()
+    found = measure(todo)
+    each = (time.perf_counter() - t0) / len(todo)
+    for (_, made, _), columns in zip(todo, found):
+        for row in made:
+            row.update(columns, **{seconds: each})
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
           reference_s: float, pending: list | None) -> list[dict]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer). With `pending` (a
-    list), each full row with a KL path adds its noise-floor request and its rows, to be filled in later."""
+    list), each full row with a KL path adds its noise-floor request, its rows and the token ids before its path, to
+    be filled in later."""
     sample, p = pl.sample, pl.sample.prompt
     rows = []
     for key, labelled in pl.turns_of.items():
@@ -188,9 +210,11 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
                     # changes that rounding alone produces; empty on every other row
                     **dict.fromkeys(NOISE_COLUMNS),
+                    # on the full row: its path read by the model in another compute dtype (`dtype_floor`)
+                    **dict.fromkeys(DTYPE_NOISE_COLUMNS),
                 }
                 made = [{**row, "question_mode": mode} for mode in labelled[number]]
                 rows += made
                 if i == ref and request is not None:
-                    pending.append((request, made))
+                    pending.append((request, made, base.ids + turn_tail))
     return rows

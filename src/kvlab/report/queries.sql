@@ -320,15 +320,20 @@ SELECT model, dtype, method_kind = 'full' AS full_row, count(*) AS rows,
 FROM eval WHERE metric <> 'none' GROUP BY ALL ORDER BY model, full_row DESC;
 
 -- name: noise_floor
--- The full cache against itself: every full row teacher-forced a second time, alone and one token at a time,
--- along the same path, against its one pass in the batch of every row. Per-token KL between the two (nats,
--- mean over the path) and, on scored tasks, whether the steps' greedy choice leaves the answer
--- somewhere: what rounding alone does to a KL and to an answer. (Full rows that several question modes share
--- are counted once.)
-SELECT DISTINCT model, dtype, task, sample_id, turn, metric <> 'none' AS scored, noise_kl, noise_kl_max,
-       noise_diverged_at IS NOT NULL AS changed
+-- The full cache against itself under a change that should not matter (`change`): every measured full row
+-- teacher-forced a second time one token at a time along the same path, in a padded batch of other prompts' rows
+-- (noise_kl), or read in one pass by the model in another compute dtype (dtype_noise_kl), against its one pass in
+-- the batch of every row. Per-token KL between the two (nats, mean over the path) and, on scored tasks, whether
+-- the other reading's greedy choice leaves the answer somewhere: what rounding alone does to a KL and to an
+-- answer. (Full rows that several question modes share are counted once.)
+SELECT DISTINCT model, dtype, 'one-token steps in another batch' AS change, task, sample_id, turn,
+       metric <> 'none' AS scored, noise_kl, noise_kl_max, noise_diverged_at IS NOT NULL AS changed
 FROM eval WHERE method_kind = 'full' AND noise_kl IS NOT NULL
-ORDER BY model, dtype, task, sample_id, turn;
+UNION ALL
+SELECT DISTINCT model, dtype, 'computed in ' || noise_dtype AS change, task, sample_id, turn,
+       metric <> 'none' AS scored, dtype_noise_kl, dtype_noise_kl_max, dtype_noise_diverged_at IS NOT NULL
+FROM eval WHERE method_kind = 'full' AND dtype_noise_kl IS NOT NULL
+ORDER BY model, dtype, change DESC, task, sample_id, turn;
 
 -- name: output_lengths
 -- Every scored answer's length in tokens (new_tokens: up to and with its EOS) beside the full cache's answer to

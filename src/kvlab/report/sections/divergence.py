@@ -31,9 +31,11 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "full cache's own answer, so the KL says how far a method's next-token distribution drifts where "
         "the uncompressed model was going. kl_low, kl_high: one-sided 95% bounds of the mean KL (bootstrap over "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + table(with_bounds(q["divergence"], rule))
-        + "<h3>Noise floor</h3><p>The full cache against itself: each full row teacher-forced a second time, one "
-        "token at a time as decoding feeds it, along the same path, in a padded batch with other prompts' full rows, "
-        "against its one pass in the batch of every row of its own prompt. Its KL and the answers its greedy choice "
-        "would change are what rounding alone does, in this model and compute dtype: a method's KL or answer "
-        "change no larger than this is no evidence. Bounds as above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
+        + "<h3>Noise floor</h3><p>The full cache against itself, against its one pass in the batch of every row of "
+        "its own prompt, under two changes that should not matter (change): each full row teacher-forced a second "
+        "time, one token at a time as decoding feeds it, along the same path, in a padded batch with other prompts' "
+        "full rows; and the first samples' full rows (config <code>dtype_floor</code>) read in one pass by the model "
+        "loaded in another compute dtype (float32 beside a bfloat16 run). Their KL and the answers their greedy "
+        "choice would change are what rounding alone does: a method's KL or answer change no larger than this is no "
+        "evidence. Bounds as above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
     )

@@ -7,6 +7,7 @@ import pandas as pd
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule
 from kvlab.report.html import svg, table, verdict_list
+from kvlab.report.stats import drop_bounds, per_sample
 from kvlab.report.tables import pooled, where, with_kl_bounds, with_wilson
 
 TITLE = "Quantized KV caches"
@@ -54,18 +55,28 @@ def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return svg(kl_bits_chart(with_bounds(q, rule)))
 
 
-def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame) -> pd.DataFrame:
+def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame, answers: pd.DataFrame) -> pd.DataFrame:
     """The article's KIVI table shape: 2-bit KIVI by key axis × value axis, KL per prefix and accuracy on the
-    tasks all four ran on."""
-    two = kl[(kl["scheme"] == "kivi") & (kl["bits"] == 2) & (kl["policy"] == "kivi") & (kl["budget"] == 1)]
+    tasks all four ran on, with the accuracy drop against the full cache on the same answers and its paired
+    bootstrap bounds over samples (kvlab.report.stats.drop_bounds, as the decision table's)."""
+    def two_bit(frame: pd.DataFrame) -> pd.DataFrame:
+        return frame[(frame["scheme"] == "kivi") & (frame["bits"] == 2) & (frame["policy"] == "kivi") & (frame["budget"] == 1)]
+
+    two = two_bit(kl)
     if two.empty:
         return pd.DataFrame()
-    out = two.pivot_table(index=["model", "key_axis", "value_axis"], columns="context_tokens", values="kl_mean_nats")
+    keys = ["model", "key_axis", "value_axis"]
+    out = two.pivot_table(index=keys, columns="context_tokens", values="kl_mean_nats")
     out.columns = [f"KL @ {c} tokens" for c in out.columns]
-    a = pooled(by_task[(by_task["scheme"] == "kivi") & (by_task["bits"] == 2) & (by_task["policy"] == "kivi")
-                       & (by_task["budget"] == 1)], common_tasks=True)
-    a = with_wilson(a).set_index(["model", "key_axis", "value_axis"])[
-        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "delta_points", "rows", "tasks"]]
+    a = pooled(two_bit(by_task), common_tasks=True)
+    scored = two_bit(answers)
+    scored = scored[scored["score"].notna() & scored["task"].isin({t for ts in a["tasks"] for t in ts.split(", ")})]
+    drops = pd.DataFrame([(*key, b.mean, b.low, b.high, b.n) for key, g in scored.groupby(keys)
+                          for b in [drop_bounds(*per_sample(g, ["full_score", "score"]).to_numpy().T)]],
+                         columns=[*keys, "drop_points", "drop_low", "drop_high", "samples"])
+    a = with_wilson(a).merge(drops, on=keys, how="left").set_index(keys)[
+        ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low",
+         "drop_high", "samples", "rows", "tasks"]]
     return out.join(a).reset_index().rename(columns={"key_axis": "keys per", "value_axis": "values per"})
 
 
@@ -93,7 +104,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
             ["model", "bits", "context_tokens", "method", "kl_mean_nats", "kl_low", "kl_high", "samples", "method_hf",
              "kl_mean_nats_hf", "kl_low_hf", "kl_high_hf", "samples_hf", "times_lower"]]
         baseline = "<h3>Against transformers' QuantizedCache (same bits, G and R)</h3>" + table(versus)
-    ablation = ablation_table(kl, by_task)
+    ablation = ablation_table(kl, by_task, q["answers"])
     policies = policy_table(kl)
     return (
         "<p>Packed codes inside generation: prefill attention is exact, then each full-attention layer keeps "
@@ -107,7 +118,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + verdict_list(verdicts(CLAIMS, q, rule))
         + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
-        + ("<h3>2-bit ablation (KIVI's table shape)</h3>" + table(ablation) if not ablation.empty else "")
+        + ("<h3>2-bit ablation (KIVI's table shape)</h3><p class='note'>Accuracy on the scored tasks all four layouts "
+           "ran on; drop_points: the mean accuracy drop against the full cache on the same answers, with one-sided 95% "
+           "paired bootstrap bounds over samples (drop_low, drop_high; samples: n), as in the decision table.</p>"
+           + table(ablation) if not ablation.empty else "")
         + ("<h3>KIVI's streaming policy against kvlab's earlier one</h3><p class='note'>Paired by bits, axes and "
            "prefix (the configured pairs share G and R); only which recent tokens stay in full precision differs "
            "(columns _together: policy together). KL bounds and samples as above.</p>" + table(policies)
