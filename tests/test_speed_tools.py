@@ -48,6 +48,21 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path):
     assert (phases["seconds"] <= wall).all()
     ops = out[out["kind"] == "operator"]
     assert ops.set_index("name").loc["matmul", "seconds"] > 0
+    roof = out[out["kind"] == "roofline"].set_index("name")
+    assert roof.loc["matmul_gflop", "value"] > 0 and roof.loc["peak_matmul_gflops", "value"] > 0
+    assert roof.loc["matmul_gflops", "value"] == pytest.approx(roof.loc["matmul_gflop", "value"] / roof.loc["matmul_gflops", "seconds"])
+    assert roof.loc["matmul_floor_s", "seconds"] == pytest.approx(
+        roof.loc["matmul_gflop", "value"] / roof.loc["peak_matmul_gflops", "value"])
+
+
+def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):
+    """The roof: 2·M·K·N flops per product over the seconds the products took, the best shape's rate."""
+    import kvlab.profile_eval as pe
+
+    clock = iter(range(100))
+    monkeypatch.setattr(pe, "SHAPES", ((4, 3, 5), (2, 2, 2)))
+    monkeypatch.setattr(pe.time, "perf_counter", lambda: float(next(clock)))  # each timing spans exactly 1 s
+    assert pe.peak_matmul_gflops(torch.float32, repeats=10) == pytest.approx(2 * 4 * 3 * 5 * 10 / 1e9)
 
 
 def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):

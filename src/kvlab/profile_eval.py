@@ -15,7 +15,12 @@ share of the profiled wall time.
   dequantizing);
 - operators: matmul (linear / mm / addmm / bmm self time), sdpa, host_sync (`item` / `_local_scalar_dense`:
   the host waiting for a value), and all the other operators' self time;
-- python_and_rest: wall time not spent inside any operator (interpreter, tokenizer, scoring).
+- python_and_rest: wall time not spent inside any operator (interpreter, tokenizer, scoring);
+- roofline: the matmuls' floating-point operations (torch's profiler counts them for mm, addmm and bmm), this CPU's
+  measured matmul rate in the job's dtype and threads (`peak_matmul_gflops`, the best of the engine's shapes: a
+  prefill's and a teacher-forced batch's MLP and LM head, a decode step's MLP), the rate the job's matmuls reached
+  (`matmul_gflops`: their flops over their self time) and `matmul_floor_s`, the seconds those flops need at the
+  peak: the least any engine could spend on this job's matmuls without computing fewer of them.
 
 The profiler adds a few microseconds per operator, so shares matter more than absolute seconds; the
 `wall_s` row is the same job without the profiler, for scale.
@@ -46,6 +51,36 @@ OPERATORS = {
              "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"),
     "host_sync": ("aten::item", "aten::_local_scalar_dense"),
 }
+
+
+# (M, K, N) of the engine's matmuls: a 1K prefill's MLP up and down, a teacher-forced batch's LM head (~4K token
+# rows, an eighth of Qwen's vocabulary), a batch-32 decode step's MLP
+SHAPES = ((1024, 896, 4864), (1024, 4864, 896), (4096, 896, 18992), (32, 896, 4864))
+
+
+def peak_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> float:
+    """The best rate (GFLOP/s) of plain torch matmuls at the engine's shapes (SHAPES) in `dtype`, with the threads
+    torch has: what this CPU's matmul kernels reach, the roof a job's matmuls are measured against."""
+    best = 0.0
+    for m, k, n in SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a @ b  # warm-up: the first call picks a kernel
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            a @ b
+        best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def roofline_rows(events, peak: float) -> list[dict]:
+    """The matmuls' counted flops, the rate they ran at, the peak and the seconds the flops need at it."""
+    sel = [e for e in events if e.key in OPERATORS["matmul"]]
+    flops = float(sum(e.flops for e in sel))
+    seconds = sum(e.self_cpu_time_total for e in sel) / 1e6
+    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": float("nan"), "calls": 0, "value": flops / 1e9},
+            {"kind": "roofline", "name": "matmul_gflops", "seconds": seconds, "calls": 0, "value": flops / 1e9 / seconds},
+            {"kind": "roofline", "name": "peak_matmul_gflops", "seconds": float("nan"), "calls": 0, "value": peak},
+            {"kind": "roofline", "name": "matmul_floor_s", "seconds": flops / 1e9 / peak, "calls": 0, "value": float("nan")}]
 
 
 def profile_rows(events, wall: float) -> list[dict]:
@@ -94,18 +129,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     t0 = time.perf_counter()
     rows = job()
     plain = time.perf_counter() - t0
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         t0 = time.perf_counter()
         job()
         wall = time.perf_counter() - t0
-    out = pd.DataFrame(profile_rows(prof.key_averages(), wall))
+    events = prof.key_averages()
+    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(events, peak_matmul_gflops(model.dtype)))
     out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
                                          "share": 1.0}])], ignore_index=True)
     out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), rows=len(rows), variants=len(grid),
                      dtype=dtype, threads=run["threads"])
     write_parquet(out, args.out)
-    print(out[["kind", "name", "seconds", "calls", "share"]].to_string(index=False))
+    print(out[["kind", "name", "seconds", "calls", "share", "value"]].to_string(index=False))
     return out
 
 
