@@ -109,6 +109,7 @@ def evaluate_samples(
                                          plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens)
     reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
     paths = dict(zip(wanted, answers))
+
     def measured(limit: int | None, i: int) -> bool:
         return limit is None or i < limit
 
