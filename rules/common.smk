@@ -62,8 +62,9 @@ def run_params(task=None):
     """The evaluation knobs a measuring job receives (threads are added from the job). With `task`, only the
     methods that run on it, so adding a method limited to some tasks reruns only those tasks' jobs."""
     run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device")}
-    floor = config["dtype_floor"]  # only its tasks' jobs get a count, so listing a task reruns that task alone
-    run["dtype_floor_samples"] = floor["samples"] if task in floor["tasks"] else 0
+    floor = config["dtype_floor"]  # only its tasks' jobs get the key: listing a task reruns that task's jobs alone
+    if floor["samples"] and task in floor["tasks"]:
+        run["dtype_floor_samples"] = floor["samples"]
     return {"methods": methods_for(task), **run}
 
 

@@ -255,3 +255,19 @@ def test_redraws_are_seeded_and_give_up_with_a_clear_error(tokenizer):
     assert redrawn[1].prompt.context != redrawn[0].prompt.context
     with pytest.raises(ValueError, match=r"task 'tiny': sample 3 of 3 still shares the same prompt .* ask fewer samples"):
         independent("tiny", [(s, make) for s in ("s0", "s1", "s2")])
+
+
+def test_more_samples_leave_the_drawn_ones_unchanged(tokenizer, monkeypatch):
+    """Raising `samples` adds draws after the existing ones (index by index over the depths), so the samples a smaller
+    run drew stay the same even where the new ones force redraws: on a corpus cut to 300 sentences, 4 prose haystacks
+    per depth at two depths, then 9 per depth (drawn depth by depth instead, a new 0.2 draw takes a stretch an old 0.7
+    sample had: checked)."""
+    import kvlab.tasks.haystack as haystack
+
+    small = haystack.kjv_sentences()[:300]
+    monkeypatch.setattr(haystack, "kjv_sentences", lambda: small)
+    few = generate(tokenizer, "niah_prose_multi", 1000, samples=4, depths=[0.2, 0.7])
+    more = generate(tokenizer, "niah_prose_multi", 1000, samples=9, depths=[0.2, 0.7])
+    assert [s.depth for s in more] == [0.2] * 9 + [0.7] * 9  # returned in depth order
+    kept = {s.sample_id: s.prompt.sha1 for s in few}
+    assert {s.sample_id: s.prompt.sha1 for s in more if s.sample_id in kept} == kept

@@ -41,8 +41,9 @@ def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict
     methods = {name: m for name, m in config["methods"].items() if runs_on(m, task)}
     keys = ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device", "threads")
     run = {key: config[key] for key in keys if key in config}  # an older schema lacks some (noise_floor_samples)
-    if "dtype_floor" in config:  # as rules/common.smk's run_params (an old tree, timed by speed_ab.sh, has neither)
-        run["dtype_floor_samples"] = config["dtype_floor"]["samples"] if task in config["dtype_floor"]["tasks"] else 0
+    floor = config.get("dtype_floor")  # as rules/common.smk's run_params (an old tree, timed by speed_ab.sh, has none)
+    if floor and floor["samples"] and task in floor["tasks"]:
+        run["dtype_floor_samples"] = floor["samples"]
     return config["tasks"][task], {"methods": methods, **run}
 
 

@@ -274,7 +274,7 @@ def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]
         key = (tuple(ids), tuple(path))
         if key not in done:
             x = torch.tensor([list(ids) + list(path[:-1])], device=other.device)
-            logits = other(input_ids=x, logits_to_keep=len(path)).logits[0]  # the last of `ids` predicts path[0]
+            logits = other(input_ids=x, logits_to_keep=len(path), use_cache=False).logits[0]  # the last id predicts path[0]
             done[key] = (torch.log_softmax(logits.float(), dim=-1).to(logp_ref.device), logits.argmax(-1).to(logp_ref.device))
         logp, choice = done[key]
         kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)

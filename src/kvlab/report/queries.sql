@@ -287,14 +287,15 @@ GROUP BY s.model, s.layer ORDER BY s.model, s.layer;
 WITH computations AS (  -- one per sample, compression (its prompt length) and turn
   SELECT model, task, context_tokens, sample_id, compressed_tokens, turn,
          any_value(prefill_s) AS prefill_s, any_value(decode_s) AS decode_s,
-         any_value(teacher_forced_s) AS teacher_forced_s, any_value(noise_s) AS noise_s  -- noise_s: full row only
+         any_value(teacher_forced_s) AS teacher_forced_s, any_value(noise_s) AS noise_s,  -- noise_s, dtype_noise_s: full row only
+         any_value(dtype_noise_s) AS dtype_noise_s
   FROM eval GROUP BY ALL
 ), compressions AS (
   SELECT model, task, context_tokens, sample_id, compressed_tokens, method, budget, any_value(compress_s) AS compress_s
   FROM eval GROUP BY ALL
 ), phases AS (
   SELECT c.model, c.task, c.context_tokens, sum(c.decode_s) AS decode_s, sum(c.teacher_forced_s) AS teacher_forced_s,
-         sum(c.noise_s) AS noise_s,
+         sum(c.noise_s) AS noise_s, sum(c.dtype_noise_s) AS dtype_noise_s,
          (SELECT sum(p) FROM (SELECT max(prefill_s) AS p FROM computations x
            WHERE x.model = c.model AND x.task = c.task AND x.context_tokens = c.context_tokens GROUP BY sample_id)) AS prefill_s,
          (SELECT sum(compress_s) FROM compressions y
@@ -305,7 +306,7 @@ WITH computations AS (  -- one per sample, compression (its prompt length) and t
   FROM eval GROUP BY ALL
 )
 SELECT j.model, j.task, j.context_tokens, j.samples, j.rows, b.s AS wall_s, j.rows / b.s AS rows_per_s,
-       p.prefill_s, p.compress_s, p.decode_s, p.teacher_forced_s, p.noise_s, j.dtype
+       p.prefill_s, p.compress_s, p.decode_s, p.teacher_forced_s, p.noise_s, p.dtype_noise_s, j.dtype
 FROM jobs j JOIN phases p USING (model, task, context_tokens)
 LEFT JOIN benchmarks b ON b.job = 'evaluate/' || j.model || '/' || j.task || '/' || j.context_tokens
 ORDER BY wall_s DESC NULLS LAST;

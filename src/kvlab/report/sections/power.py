@@ -56,9 +56,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
               f"{t.loc[need.index, 'samples'].max():,} per cell (cells the rule judges).") if len(need) else (
         "No cell the rule judges has answers to score.")
     flag = (f"<b>{repeats} cell(s) repeat a prompt</b>: their samples are not all independent, and n overstates "
-            f"what they show." if repeats else "No cell repeats a prompt: every sample of a cell is its own prompt.") + (
-        " kvlab's generators draw each sample of a task at one length again until it shares no prompt, needle or "
-        "stretch of prose with an earlier one; RULER's samples are as RULER's seed draws them.")
+            f"what they show." if repeats else
+            "No cell repeats a prompt: every sample of a cell is its own prompt. kvlab's generators draw each sample "
+            "of a task at one length again until it shares no prompt, needle or stretch of prose with an earlier one; "
+            "RULER's samples are as RULER's seed draws them.")
     return (
         f"<p>Per decision cell (model, task shape, question mode, method, budget): n, the samples the decision "
         f"resamples; prompts, the distinct prompts among them (a SHA-1 of every token id the prompt feeds: "
