@@ -252,12 +252,17 @@ def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], 
     the steps' greedy choice first leaves `path` (None: nowhere). What rounding alone does: a KL or an answer change
     of a method no larger than this is no evidence of anything. (On a CPU in fp32, the same pass alone or in a batch,
     padded or not, gave bitwise equal logits on the tiny model; one-token steps take other kernels.)"""
-    out = []
-    for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests])):
-        kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
-        out.append({"noise_kl": float(kl.mean()), "noise_kl_max": float(kl.max()),
-                    "noise_diverged_at": first_divergence(choice[None], path)[0]})
-    return out
+    return [_against("noise", logp_ref, logp, choice, path)
+            for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests]))]
+
+
+def _against(prefix: str, logp_ref: torch.Tensor, logp: torch.Tensor, choice: torch.Tensor, path: list[int]) -> dict:
+    """A noise floor's columns for one path: mean and max per-token KL(reference ‖ other reading) in nats, and where
+    the other reading's greedy `choice` first leaves `path` (None: nowhere); named `{prefix}_kl`, `{prefix}_kl_max`,
+    `{prefix}_diverged_at`."""
+    kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
+    return {f"{prefix}_kl": float(kl.mean()), f"{prefix}_kl_max": float(kl.max()),
+            f"{prefix}_diverged_at": first_divergence(choice[None], path)[0]}
 
 
 @torch.no_grad()
@@ -276,10 +281,7 @@ def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]
             x = torch.tensor([list(ids) + list(path[:-1])], device=other.device)
             logits = other(input_ids=x, logits_to_keep=len(path), use_cache=False).logits[0]  # the last id predicts path[0]
             done[key] = (torch.log_softmax(logits.float(), dim=-1).to(logp_ref.device), logits.argmax(-1).to(logp_ref.device))
-        logp, choice = done[key]
-        kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
-        out.append({"dtype_noise_kl": float(kl.mean()), "dtype_noise_kl_max": float(kl.max()),
-                    "dtype_noise_diverged_at": first_divergence(choice[None], path)[0]})
+        out.append(_against("dtype_noise", logp_ref, *done[key], path))
     return out
 
 

@@ -30,7 +30,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
             prompt=prompt,
             gold=[],
             metric="none",
-            meta={"first_sentence": start, "span": ("prose", start, count, len(sentences))},
+            meta={"span": ("prose", start, count, len(sentences))},  # its first sentence, how many, of how many
         )
 
     return independent(name, [(f"{name}:{spec['seed']}:{context_tokens}:{i}", lambda rng, i=i: make(i, rng)) for i in range(spec["samples"])])
