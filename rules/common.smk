@@ -65,6 +65,10 @@ def run_params(task=None):
     floor = config["dtype_floor"]  # only its tasks' jobs get the key: listing a task reruns that task's jobs alone
     if floor["samples"] and task in floor["tasks"]:
         run["dtype_floor_samples"] = floor["samples"]
+    if task is not None:  # the job's rounds (kvlab.sequential), decided at the report's tolerance
+        seq = config["sequential"]
+        run["sequential"] = {"max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
+                             "round": seq["round"], "tolerance_points": config["decision"]["tolerance_points"]}
     return {"methods": methods_for(task), **run}
 
 

@@ -28,11 +28,33 @@ def test_default_config_is_valid_and_defaults_filled(config):
     assert out["models"]["qwen2.5-0.5b"]["dtype"] == "float32"
     assert out["methods"]["snapkv"]["kwargs"] == {"window_size": 32, "kernel_size": 5}
     assert out["tasks"]["recency"] == {
-        "kind": "recency", "context_tokens": [1024], "from_end_tokens": [64, 192], "samples": 3, "seed": 0,
+        "kind": "recency", "context_tokens": [1024], "from_end_tokens": [64, 192], "samples": 2, "seed": 0,
         "haystack": "noise",
     }
     assert out["noise_floor_samples"] == 4
+    assert out["sequential"] == {"max_samples": 96, "round": 6}
     assert out["throughput"] == {"context_tokens": [1024], "new_tokens": 32, "batches": [1]}
+
+
+@pytest.mark.parametrize("where,value", [("sequential", {"max_samples": -1}), ("sequential", {"round": 0}),
+                                         ("sequential", {"rounds": 3}), ("task", -2)])
+def test_sequential_settings_are_checked(config, where, value):
+    if where == "task":
+        config["tasks"]["niah_single"]["max_samples"] = value
+    else:
+        config["sequential"] = value
+    with pytest.raises(ConfigError, match="max_samples|round"):
+        resolve(config, SCHEMA)
+
+
+def test_the_default_decides_and_the_study_keeps_the_wider_grid(config):
+    """The default holds the tasks that decide the decision table and claims, with room for a lossless cell to be
+    decided (at least 80 prompts); the study preset keeps arithmetic, RULER and the 2K-4K curves."""
+    out = resolve(config, SCHEMA)
+    assert set(out["tasks"]) == {"niah_single", "recency", "variable_tracking", "multi_turn", "prose_kl"}
+    assert out["sequential"]["max_samples"] >= 80 and out["question_modes"][:2] == ["agnostic", "aware"]
+    study = resolve({**config, "preset": "study"}, SCHEMA)
+    assert {"arithmetic", "ruler_qa_1", "niah_single_long"} <= set(study["tasks"])
 
 
 def test_at_least_one_model_is_evaluated(config):
@@ -43,10 +65,10 @@ def test_at_least_one_model_is_evaluated(config):
 
 
 def test_every_preset_covers_every_task_kind(config):
-    """smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
+    """study (the wider study), smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
     schema = yaml.safe_load(SCHEMA.read_text())
     kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
-    for preset in ("default", "wide", "smoke", "evidence", "full"):
+    for preset in ("study", "wide", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
         assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
 
@@ -77,6 +99,11 @@ def test_preset_replaces_top_level_keys(config):
 
 
 def edit(config, path, value):
+    """Set (or delete) the value at `path`; a method or task only the study preset defines is first added to the
+    default's."""
+    study = config["presets"]["study"]
+    if path[0] in ("methods", "tasks") and len(path) > 2 and path[1] not in config[path[0]]:
+        config[path[0]][path[1]] = copy.deepcopy(study[path[0]][path[1]])
     node = config
     *head, last = path
     for key in head:
@@ -204,7 +231,7 @@ BAD = [
      "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, wide, smoke, evidence, ruler, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, evidence, ruler, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 

@@ -454,7 +454,7 @@ def test_ruler_leaderboard_has_a_score_column_per_method_and_kvpress_ratio():
             for method, budget, score in (("snapkv", 0.25, float(i < 5)), ("snapkv", 0.5, 1.0), ("kivi4", 1.0, 1.0)):
                 rows.append({"ruler_task": task, "sample_id": sid, "method": method, "budget": budget,
                              "score": score, "full_score": 1.0})
-    t = leaderboard(pd.DataFrame(rows)).set_index("RULER task")
+    t = leaderboard(pd.DataFrame(rows), 5).set_index("RULER task")
     assert list(t.index) == ["niah_single_1", "qa_1", "average (every answer)", "drop vs full (points) [bounds]"]
     assert list(t.columns) == ["prompts", "full", "kivi4", "snapkv 0.5", "snapkv 0.75"]
     low, high = wilson(5, 10)
@@ -510,10 +510,10 @@ def test_two_bit_ablation_gives_a_paired_drop_interval():
                                "sample_id": "o1", "score": 0.0, "full_score": 1.0, "kl_vs_full": None}])
     by_task = (answers.groupby(["model", "method", "scheme", "bits", "key_axis", "value_axis", "policy", "budget", "task"])
                .agg(correct=("score", "sum"), full_correct=("full_score", "sum"), rows=("score", "size")).reset_index())
-    table = ablation_table(kl, by_task, answers).set_index("keys per")
+    table = ablation_table(kl, by_task, answers, 5).set_index("keys per")
     for axis, lost in (("channel", 1), ("token", 12)):
         kept = [float(int(i[1:]) >= lost) for i in sorted(f"s{i}" for i in range(20))]  # in per_sample's order
-        b = drop_bounds(np.ones(20), np.array(kept))
+        b = drop_bounds(np.ones(20), np.array(kept), 5)
         row = table.loc[axis]
         assert row["drop_points"] == pytest.approx(100 * lost / 20) and row["samples"] == 20 and row["tasks"] == "needle"
         assert (row["drop_low"], row["drop_high"]) == pytest.approx((b.low, b.high))

@@ -18,7 +18,8 @@ from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
-from kvlab.tasks import generate, max_new_tokens
+from kvlab.sequential import open_variants, per_point, planned
+from kvlab.tasks import generate, max_new_tokens, samples_at
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,22 @@ def samples_at_once(context_tokens: int) -> int:
 
 
 def progress(done: int, total: int, rows: int, elapsed: float) -> str:
-    """One progress line for the job's log: samples done, rows, rows per second and time left."""
-    left = elapsed / done * (total - done)
-    return (f"sample {done}/{total}: {rows} rows, {rows / elapsed:.2f} rows/s, {elapsed:.0f} s elapsed, "
-            f"~{left:.0f} s left")
+    """One progress line for the job's log: samples done (of the most it may reach), rows, rows per second and
+    elapsed time."""
+    return f"sample {done}/{total}: {rows} rows, {rows / elapsed:.2f} rows/s, {elapsed:.0f} s elapsed"
+
+
+def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
+    """The job's prompts in draw order, as many as it may reach (kvlab.sequential.planned), and how many the first
+    round takes (the task's `samples` per grid point)."""
+    initial = generate(task, spec, tokenizer, context_tokens)
+    total = planned(spec, len(initial), max_samples)
+    if total == len(initial):
+        return initial, len(initial)
+    each = per_point(len(initial), samples_at(spec, context_tokens), total)
+    samples = generate(task, {**spec, "samples": each}, tokenizer, context_tokens)[:total]
+    assert [s.sample_id for s in samples[: len(initial)]] == [s.sample_id for s in initial]  # more draws only add
+    return samples, len(initial)
 
 
 def run_job(
@@ -66,18 +79,24 @@ def run_job(
 ) -> pd.DataFrame:
     """Evaluate every configured variant on the task's samples; write the rows to `out_path` (Parquet).
 
-    `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads, and
-    noise_floor_samples (the noise floor is measured on the job's first samples; default: all) and dtype_floor_samples
-    (the first samples whose full rows the model in the other compute dtype reads again; default: none).
+    `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads,
+    noise_floor_samples (the noise floor is measured on the job's first samples; default: all), dtype_floor_samples
+    (the first samples whose full rows the model in the other compute dtype reads again; default: none), and
+    sequential ({max_samples, round, tolerance_points}; default: the task's samples only). The job runs in rounds
+    (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
+    and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
+    `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
     """
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
-    samples = generate(task, task_spec, tokenizer, context_tokens)
+    plan = run.get("sequential", {"max_samples": 0, "round": 1, "tolerance_points": 5.0})
+    samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
     grid = variants(run["methods"], run["budgets"], task)
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
-    log.info("%s: %d samples × %d variants × %d modes, answers capped at %d tokens", task, len(samples), len(grid),
-             len(run["question_modes"]), cap)
+    log.info("%s: %d samples × %d variants × %d modes, then up to %d samples in rounds of %d on the variants with an "
+             "open cell; answers capped at %d tokens", task, first, len(grid), len(run["question_modes"]), len(samples),
+             plan["round"], cap)
     other = None
     if run.get("dtype_floor_samples", 0):
         if (dtype := other_dtype(run["dtype"], run["device"])) is None:
@@ -88,17 +107,35 @@ def run_job(
     rows = []
     t0 = time.perf_counter()
     at_once = samples_at_once(context_tokens)
+    active, done, round_ = grid, 0, 0
     with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
-        for done in range(0, len(samples), at_once):
-            chunk = samples[done : done + at_once]
-            noise = max(0, run.get("noise_floor_samples", len(samples)) - done)  # the job's first samples
-            in_dtype = max(0, run.get("dtype_floor_samples", 0) - done)
-            rows.extend(evaluate_samples(model, tokenizer, chunk, grid, run["question_modes"], cap, noise_samples=noise,
-                                         other=other if in_dtype else None, other_samples=in_dtype))
-            bar.update(len(chunk))
-            bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
-            log.info("%s", progress(done + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
+        while done < len(samples):
+            round_ += 1
+            end = min(len(samples), done + (first if round_ == 1 else plan["round"]))
+            t_round, before = time.perf_counter(), len(rows)
+            for start in range(done, end, at_once):
+                chunk = samples[start : min(end, start + at_once)]
+                noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
+                in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
+                found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
+                                         other=other if in_dtype else None, other_samples=in_dtype)
+                draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
+                rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
+                bar.update(len(chunk))
+                bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
+                log.info("%s", progress(start + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
+            for r in rows[before:]:
+                r["round_s"] = time.perf_counter() - t_round  # the round's wall seconds (its rows share them)
+            done = end
+            if done < len(samples):
+                still = open_variants(pd.DataFrame(rows), plan["tolerance_points"])
+                active = [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
+                log.info("round %d done (%d samples): %d of %d variants have an open cell", round_, done, len(active) - 1,
+                         len(grid) - 1)
+                if len(active) == 1:
+                    break
     frame = pd.DataFrame(rows)
+    frame["max_samples"] = len(samples)  # the most prompts this job could reach
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]
     frame["max_new_tokens"] = cap  # the decoding cap the answers ran under

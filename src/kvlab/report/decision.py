@@ -44,7 +44,8 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
         out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, decision=b.decide(threshold))
     else:
         s = per_sample(rows, ["score", "full_score"])
-        b, threshold = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy()), rule.tolerance_points
+        threshold = rule.tolerance_points
+        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), threshold)
         acc_low, acc_high = wilson(rows["score"].sum(), len(rows))
         full_low, full_high = wilson(rows["full_score"].sum(), len(rows))
         full = rows["full_score"].mean()

@@ -1,25 +1,31 @@
 """Intervals and the three-outcome decision behind every verdict that compares numbers measured on samples.
 
 - accuracy: a 95% Wilson interval over the answers (scipy.stats.binomtest; partial scores count as their sum).
-- a method's accuracy minus the full cache's, and prose KL: bootstrap over samples (scipy.stats.bootstrap).
-  A sample is the unit: its rows (turns, question modes pooled into one cell) are averaged first, so rows of
-  one sample never count as independent draws, and a method and the full cache are resampled together
-  (paired), as every method answers the same prompts. Per-token KL is averaged within a sample first for the
-  same reason (its tokens are correlated): an eval row's kl_vs_full already is that mean.
+- a method's accuracy minus the full cache's (the paired drop): a betting confidence sequence over samples
+  (kvlab.anytime), valid at every n at once, so it keeps its level however the evaluation job stopped drawing
+  prompts (kvlab.evaluate's rounds stop a cell once it is decided), and at a fixed n too. Its bets are tuned to the
+  threshold it will be decided at. A sample is the unit: its rows (turns, question modes pooled into one cell)
+  are averaged first, so rows of one sample never count as independent draws, and the samples enter in the order
+  they were drawn (task, context length, draw), the order the stopping rule saw them.
+- prose KL: bootstrap over samples (scipy.stats.bootstrap) at a fixed n. KL has no upper limit, so no bound valid
+  under stopping can call it small; prose jobs never stop early (kvlab.evaluate). Per-token KL is averaged within
+  a sample first (its tokens are correlated): an eval row's kl_vs_full already is that mean.
 - decide: 'safe' when the one-sided 95% upper bound of the drop (or KL) is at most the threshold, 'unsafe' when
-  the lower bound exceeds it, else 'inconclusive'. The one-sided 95% bounds are the ends of the two-sided 90%
-  bootstrap interval.
+  the lower bound reaches it, else 'inconclusive'. The one-sided 95% bounds together form a two-sided 90% interval.
 - power: the smallest mean n samples tell from 0 (z·sd/√n) and the samples a margin needs (⌈(z·sd/margin)²⌉),
   normal approximations from the per-sample spread.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from scipy import stats
+
+from kvlab.anytime import sequence
 
 LEVEL = 0.95  # every interval's confidence (two-sided for accuracy; one-sided for each bound of a decision)
 Z = stats.norm.ppf(LEVEL)  # one-sided z of the decision bounds (1.645)
@@ -35,9 +41,17 @@ def wilson(correct: float, n: int, level: float = LEVEL) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+ORDER = ["task", "context_tokens", "draw"]  # the order samples were drawn in (rows before `draw` existed: sample_id)
+
+
 def per_sample(rows: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
-    """One row per sample: the mean of `columns` over its rows (turns, question modes)."""
-    return rows.groupby("sample_id", sort=True)[columns].mean()
+    """One row per sample: the mean of `columns` over its rows (turns, question modes), in the order the samples
+    were drawn (task, context length, draw index) where the rows say it, else by sample_id."""
+    means = rows.groupby("sample_id", sort=True)[columns].mean()
+    if all(c in rows for c in ORDER) and rows["draw"].notna().all():
+        first = rows.drop_duplicates("sample_id").sort_values([*ORDER, "sample_id"])
+        means = means.loc[first["sample_id"]]
+    return means
 
 
 @dataclass(frozen=True)
@@ -50,17 +64,23 @@ class Bounds:
     n: int
     sd: float
     min_n: int = 0  # fewer samples than this decide nothing (mean_bounds)
+    more: float | None = None  # drop_bounds: about how many more samples like these would decide it (kvlab.anytime)
+    e_safe: float = float("nan")  # drop_bounds: the e-values of the tests at the threshold (safe, unsafe), stopped
+    e_unsafe: float = float("nan")  # when they decided
+    decided_at: int = 0  # drop_bounds: the sample (1-based, in draw order) at which the decision was reached, 0 if open
 
     def decide(self, threshold: float) -> str:
-        """'safe' (upper bound ≤ threshold), 'unsafe' (lower bound > threshold) or 'inconclusive'."""
+        """'safe' (upper bound ≤ threshold), 'unsafe' (lower bound ≥ threshold) or 'inconclusive'."""
         if self.high <= threshold:
             return "safe"
-        return "unsafe" if self.low > threshold else "inconclusive"
+        return "unsafe" if self.low >= threshold else "inconclusive"
 
     def n_to_decide(self, threshold: float) -> float:
-        """Samples that would decide it if the observed mean and spread held: normal approximation,
-        n = (z·sd / |mean − threshold|)² (at least min_n); inf where the mean sits on the threshold, nan where one
-        sample gives no spread."""
+        """Samples that would decide it in all if the observed ones went on alike: for a drop, n + the betting
+        sequence's `more`; for a bootstrap mean the normal approximation n = (z·sd / |mean − threshold|)² (at least
+        min_n); inf where the mean sits on the threshold, nan where one sample gives no spread."""
+        if self.more is not None:
+            return self.n + self.more
         gap = abs(self.mean - threshold)
         if not np.isfinite(self.sd):
             return float("nan")
@@ -80,25 +100,26 @@ def samples_for(sd: float, margin: float) -> float:
     return float(np.ceil((Z * sd / margin) ** 2))
 
 
-def _bootstrap(data: tuple[np.ndarray, ...], statistic, paired: bool) -> tuple[float, float]:
-    res = stats.bootstrap(data, statistic, paired=paired, vectorized=True, confidence_level=2 * LEVEL - 1,
+def _bootstrap(data: tuple[np.ndarray, ...], statistic) -> tuple[float, float]:
+    res = stats.bootstrap(data, statistic, vectorized=True, confidence_level=2 * LEVEL - 1,
                           n_resamples=RESAMPLES, method="percentile", rng=np.random.default_rng(SEED))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def drop_bounds(full: np.ndarray, method: np.ndarray, share: float = 1.0) -> Bounds:
-    """Mean per-sample accuracy drop (share × full − method, in points; share 1: the drop vs the full cache)
-    with its paired bootstrap bounds.
-
-    Scores lie in [0, 1], so a sample that showed no disagreement still leaves room for some: one pseudo-sample
-    lost and one gained are added before resampling (the idea of Agresti & Min's adjustment for paired
-    proportions). Without them n = 2 identical answers would give the interval [0, 0]; with them it is wide, and
-    it narrows as 1/√n."""
-    f = np.append(np.asarray(full, float), [1.0, 0.0])
-    m = np.append(np.asarray(method, float), [0.0, 1.0])
-    low, high = _bootstrap((f, m), lambda a, b, axis=-1: np.mean(share * a - b, axis=axis), paired=True)
-    d = 100 * (share * np.asarray(full, float) - np.asarray(method, float))
-    return Bounds(float(d.mean()), 100 * low, 100 * high, len(d), float(100 * np.std(share * f - m, ddof=1)))
+def drop_bounds(full: np.ndarray, method: np.ndarray, threshold: float, share: float = 1.0) -> Bounds:
+    """Mean per-sample accuracy drop (share × full − method, in points; share 1: the drop vs the full cache) with
+    its one-sided 95% bounds from the betting confidence sequence of the per-sample drops (kvlab.anytime), in the
+    order given (the order the samples were drawn), its bets tuned to `threshold` (points), the value it is decided
+    at. Scores lie in [0, 1], so a drop lies in [−1, share]; no sample decides anything on its own, and a cell that
+    never loses an answer is decided safe at 5 points after 65 samples."""
+    d = share * np.asarray(full, float) - np.asarray(method, float)
+    if len(d) == 0:
+        return Bounds(float("nan"), -100.0, 100 * share, 0, float("nan"), more=math.inf)
+    s = sequence(d, -1.0, share, threshold / 100)
+    decided = [at for at in (s.down_at, s.up_at) if at]
+    return Bounds(float(100 * d.mean()), 100 * s.low, 100 * s.high, len(d),
+                  float(100 * np.std(d, ddof=1)) if len(d) > 1 else float("nan"),
+                  more=s.more, e_safe=s.e_down, e_unsafe=s.e_up, decided_at=min(decided, default=0))
 
 
 def mean_bounds(values: np.ndarray, min_samples: int) -> Bounds:
@@ -108,7 +129,7 @@ def mean_bounds(values: np.ndarray, min_samples: int) -> Bounds:
     sd = float(np.std(x, ddof=1)) if len(x) > 1 else float("nan")
     if len(x) < min_samples:
         return Bounds(float(x.mean()) if len(x) else float("nan"), -np.inf, np.inf, len(x), sd, min_samples)
-    low, high = _bootstrap((x,), lambda a, axis=-1: np.mean(a, axis=axis), paired=False)
+    low, high = _bootstrap((x,), lambda a, axis=-1: np.mean(a, axis=axis))
     return Bounds(float(x.mean()), low, high, len(x), sd, min_samples)
 
 

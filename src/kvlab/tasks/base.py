@@ -180,19 +180,18 @@ def independent(name: str, draws: list[tuple[str, Callable[[random.Random], Samp
 
 
 def grid_samples(name: str, spec: dict, tokenizer, context_tokens: int, points, make: Callable) -> list[Sample]:
-    """`spec["samples"]` independent samples per grid point (a depth, a distance), in point order, each from
+    """`spec["samples"]` independent samples per grid point (a depth, a distance), each from
     `make(name, spec, tokenizer, context_tokens, point, index, rng)` with its own rng, seeded by task name,
-    seed, context length, point and index. They are drawn index by index (every point's first sample, then every
-    point's second, …), so raising `samples` only adds draws after the existing ones and leaves those unchanged;
-    a new point may redraw a later sample that would share its prompt, needle or prose."""
+    seed, context length, point and index. They are drawn and returned index by index (every point's first sample,
+    then every point's second, …), so raising `samples` only adds draws after the existing ones and leaves those
+    unchanged, and any prefix covers the points evenly (an evaluation job's rounds take prefixes); a new point may
+    redraw a later sample that would share its prompt, needle or prose."""
     order = [(point, i) for i in range(spec["samples"]) for point in points]
-    drawn = independent(name, [
+    return independent(name, [
         (f"{name}:{spec['seed']}:{context_tokens}:{point}:{i}",
          lambda rng, point=point, i=i: make(name, spec, tokenizer, context_tokens, point, i, rng))
         for point, i in order
     ])
-    by_draw = dict(zip(order, drawn))
-    return [by_draw[(point, i)] for point in points for i in range(spec["samples"])]
 
 
 def fit(name: str, target: int, build: Callable[[int], Prompt]) -> int:

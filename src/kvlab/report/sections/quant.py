@@ -55,10 +55,10 @@ def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return svg(kl_bits_chart(with_bounds(q, rule)))
 
 
-def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame, answers: pd.DataFrame) -> pd.DataFrame:
+def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame, answers: pd.DataFrame, tolerance: float) -> pd.DataFrame:
     """The article's KIVI table shape: 2-bit KIVI by key axis × value axis, KL per prefix and accuracy on the
     tasks all four ran on, with the accuracy drop against the full cache on the same answers and its paired
-    bootstrap bounds over samples (kvlab.report.stats.drop_bounds, as the decision table's)."""
+    bounds over samples (kvlab.report.stats.drop_bounds at the decision's `tolerance`, as the decision table's)."""
     def two_bit(frame: pd.DataFrame) -> pd.DataFrame:
         return frame[(frame["scheme"] == "kivi") & (frame["bits"] == 2) & (frame["policy"] == "kivi") & (frame["budget"] == 1)]
 
@@ -72,7 +72,7 @@ def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame, answers: pd.DataFram
     scored = two_bit(answers)
     scored = scored[scored["score"].notna() & scored["task"].isin({t for ts in a["tasks"] for t in ts.split(", ")})]
     drops = pd.DataFrame([(*key, b.mean, b.low, b.high, b.n) for key, g in scored.groupby(keys)
-                          for b in [drop_bounds(*per_sample(g, ["full_score", "score"]).to_numpy().T)]],
+                          for b in [drop_bounds(*per_sample(g, ["full_score", "score"]).to_numpy().T, tolerance)]],
                          columns=[*keys, "drop_points", "drop_low", "drop_high", "samples"])
     a = with_wilson(a).merge(drops, on=keys, how="left").set_index(keys)[
         ["accuracy", "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low",
@@ -104,7 +104,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
             ["model", "bits", "context_tokens", "method", "kl_mean_nats", "kl_low", "kl_high", "samples", "method_hf",
              "kl_mean_nats_hf", "kl_low_hf", "kl_high_hf", "samples_hf", "times_lower"]]
         baseline = "<h3>Against transformers' QuantizedCache (same bits, G and R)</h3>" + table(versus)
-    ablation = ablation_table(kl, by_task, q["answers"])
+    ablation = ablation_table(kl, by_task, q["answers"], rule.tolerance_points)
     policies = policy_table(kl)
     return (
         "<p>Packed codes inside generation: prefill attention is exact, then each full-attention layer keeps "

@@ -26,10 +26,11 @@ def score(rows: pd.DataFrame, scores: str = "score") -> str:
     return f"{100 * rows[scores].mean():.1f} [{100 * low:.0f}, {100 * high:.0f}]"
 
 
-def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
+def leaderboard(rows: pd.DataFrame, tolerance: float) -> pd.DataFrame:
     """One table for rows of one (model, context length, question mode): a row per RULER task (RULER's order) with
     its distinct prompts, the full cache's score and one column per (method, ratio); then the average over every
-    answer, and its drop vs the full cache in points with the one-sided 95% bounds (paired bootstrap by sample)."""
+    answer, and its drop vs the full cache in points with the one-sided 95% bounds (the decision table's betting bounds
+    over samples, tuned to `tolerance`)."""
     rank = {t: i for i, t in enumerate(ORDER)}
     tasks = sorted(rows["ruler_task"].unique(), key=lambda t: (rank.get(t, len(ORDER)), t))
     variants = rows[["method", "budget"]].drop_duplicates().sort_values(["method", "budget"], ascending=[True, False])
@@ -49,7 +50,7 @@ def leaderboard(rows: pd.DataFrame) -> pd.DataFrame:
     for (method, budget), name in zip(variants.itertuples(index=False), names):
         v = rows[(rows["method"] == method) & (rows["budget"] == budget)]
         s = per_sample(v, ["score", "full_score"])
-        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy())
+        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), tolerance)
         average[name] = score(v)
         drop[name] = f"{b.mean:+.1f} [{b.low:+.1f}, {b.high:+.1f}]"
     return pd.DataFrame([*out, average, drop])
@@ -69,5 +70,5 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "evaluates the model below on a CPU, with the prompts counted in each row.</p>"
     ]
     for (model, ctx, mode), g in rows.groupby(["model", "context_tokens", "question_mode"], sort=True):
-        html.append(f"<h3>{esc(model)} · {ctx:,} tokens · question {esc(mode)}</h3>" + table(leaderboard(g)))
+        html.append(f"<h3>{esc(model)} · {ctx:,} tokens · question {esc(mode)}</h3>" + table(leaderboard(g, rule.tolerance_points)))
     return "".join(html)

@@ -8,7 +8,7 @@ import json
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample
+from kvlab.report.stats import ORDER, all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample
 
 NO_REFERENCE = "not measured (the full cache scores 0% on these samples)"
 
@@ -29,20 +29,20 @@ def _evicting(q: dict, prose: bool = False) -> pd.DataFrame:
     return a[a["kl_vs_full"].notna()] if prose else a[a["score"].notna()]
 
 
-def _bounds(rows: pd.DataFrame, share: float = 1.0):
+def _bounds(rows: pd.DataFrame, threshold: float, share: float = 1.0):
     s = per_sample(rows, ["score", "full_score"])
-    return drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), share)
+    return drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), threshold, share)
 
 
 def _passes(rows: pd.DataFrame, t) -> tuple[str, str]:
     """Within the tolerance of the full cache: the upper bound of the drop at most tolerance_points."""
-    b = _bounds(rows)
+    b = _bounds(rows, t.tolerance_points)
     return at_most(b, t.tolerance_points), f"drop bounds [{b.low:+.0f}, {b.high:+.0f}] pts"
 
 
 def _fails(rows: pd.DataFrame, t) -> tuple[str, str]:
     """At most fail_share of the full cache's accuracy: share × full − accuracy has its lower bound ≥ 0."""
-    b = _bounds(rows, t.fail_share)
+    b = _bounds(rows, 0, t.fail_share)
     return at_least(b, 0), f"{t.fail_share:g}×full − accuracy bounds [{b.low:+.0f}, {b.high:+.0f}] pts"
 
 
@@ -124,14 +124,14 @@ def c11(q: dict, t) -> list[tuple[str, str, str]]:
     """PyramidKV at least SnapKV minus the tolerance at every shared budget, paired on the same answers: the
     upper bound of SnapKV − PyramidKV at most tolerance_points."""
     acc = _evicting(q)
-    keys = ["model", "sample_id", "question_mode", "turn", "budget"]
+    keys = ["model", "sample_id", "question_mode", "turn", "budget", *[c for c in ORDER if c in acc]]
     both = plain(acc, "PyramidKVPress").merge(plain(acc, "SnapKVPress"), on=keys, suffixes=("_p", "_s"))
     if both.empty:
         return [("", "not measured", "needs PyramidKV and SnapKV on the same tasks")]
     parts, each = [], []
     for budget, g in both.groupby("budget", sort=False):
         s = per_sample(g, ["score_p", "score_s"])
-        b = drop_bounds(s["score_s"].to_numpy(), s["score_p"].to_numpy())
+        b = drop_bounds(s["score_s"].to_numpy(), s["score_p"].to_numpy(), t.tolerance_points)
         parts.append((at_most(b, t.tolerance_points), ""))
         each.append(f"{budget:g}: PyramidKV {g['score_p'].mean():.1%} vs SnapKV {g['score_s'].mean():.1%} ({len(g)} answers "
                     f"each, {b.n} samples; SnapKV − PyramidKV bounds [{b.low:+.0f}, {b.high:+.0f}] pts)")

@@ -17,7 +17,7 @@ def c17(q: dict, t) -> list[tuple[str, str, str]]:
     out = []
     for method, g in rows.groupby("method", sort=True):
         s = per_sample(g, ["score", "full_score"])
-        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy())
+        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), t.tolerance_points)
         verdict = "holds" if b.low > t.tolerance_points else "does not hold" if b.high <= t.tolerance_points else "inconclusive"
         low, high = wilson(g["score"].sum(), len(g))
         out.append((f" ({method})", verdict,

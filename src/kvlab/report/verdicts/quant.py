@@ -65,7 +65,7 @@ def c5(q: dict, t) -> list[tuple[str, str, str]]:
 
 def _within(rows: pd.DataFrame, method: str, t, pooled: str) -> tuple[str, str]:
     s = per_sample(rows, ["score", "full_score"])
-    b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy())
+    b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), t.points)
     verdict = ("holds" if -t.points <= b.low and b.high <= t.points
                else "does not hold" if b.low > t.points or b.high < -t.points else "inconclusive")
     low, high = wilson(rows["score"].sum(), len(rows))

@@ -1,0 +1,57 @@
+"""Decide, then stop: an evaluation job's prompts go, round by round, only to the methods with a verdict still open.
+
+A job (a task at one context length) first runs the task's `samples` on every variant. After each round every cell
+of the job (method × budget × question mode) is decided as the report decides it: the paired per-sample drop
+against the full cache, bounded by a betting confidence sequence (kvlab.report.stats.drop_bounds, kvlab.anytime),
+safe when its upper bound is within the tolerance, unsafe when its lower bound reaches it. Those bounds hold at
+every n at once, so stopping on them keeps their level. The next `round` prompts go to the full cache (always: the
+reference) and to the variants with an open cell; the job ends when none is open or `max_samples` prompts ran.
+Prompts are drawn index by index (kvlab.tasks.base.grid_samples), so a longer run only adds prompts, and stopping
+depends on the answers alone, so two runs give the same rows.
+
+Prose tasks (kind continuation) are scored by KL, which has no upper limit: no bound valid under stopping can call
+it small, so they run their `samples` and stop (a fixed n, decided by the bootstrap).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from kvlab.report.stats import drop_bounds, per_sample
+
+FIXED_KINDS = ("continuation",)  # task kinds that never stop early (scored by KL)
+
+
+def planned(spec: dict, initial: int, max_samples: int) -> int:
+    """The most prompts a job may reach: `max_samples` (the task's own, else the run's), never fewer than the
+    initial samples; a kind scored by KL keeps its initial samples."""
+    if spec["kind"] in FIXED_KINDS:
+        return initial
+    return max(initial, int(spec.get("max_samples", max_samples)))
+
+
+def per_point(initial: int, samples: int, total: int) -> int:
+    """Samples per grid point (depth, distance) to draw so that `total` prompts exist, given that `samples` per point
+    gave `initial` prompts."""
+    points = max(1, initial // max(samples, 1))
+    return math.ceil(total / points)
+
+
+def cell_drops(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each compressed row beside the full cache's answer to the same prompt (sample, question mode, turn)."""
+    full = rows[rows["method_kind"] == "full"][["sample_id", "question_mode", "turn", "score"]]
+    other = rows[rows["method_kind"] != "full"]
+    return other.merge(full.rename(columns={"score": "full_score"}), on=["sample_id", "question_mode", "turn"])
+
+
+def open_variants(rows: pd.DataFrame, tolerance_points: float) -> set[tuple[str, float]]:
+    """The (method, budget) pairs with at least one question mode whose cell is neither safe nor unsafe yet."""
+    scored = cell_drops(rows[rows["score"].notna()])
+    out = set()
+    for (method, budget, _mode), g in scored.groupby(["method", "budget", "question_mode"], sort=False):
+        s = per_sample(g, ["full_score", "score"])
+        if drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), tolerance_points).decide(tolerance_points) == "inconclusive":
+            out.add((method, float(budget)))
+    return out

@@ -1,0 +1,94 @@
+"""An evaluation job's rounds (kvlab.sequential, kvlab.evaluate.run_job) on the tiny model: decided cells stop, the
+prompts go on to open ones, the draw order only grows, and two runs give the same rows."""
+
+import pandas as pd
+from kvlab.evaluate import draw_samples, run_job
+from kvlab.report.stats import drop_bounds, per_sample
+from kvlab.sequential import cell_drops, open_variants, per_point, planned
+from kvlab.tasks import generate
+
+METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
+           "fp8": {"kind": "quant", "scheme": "fp8", "scales": "dynamic", "residual": 0}}
+NEEDLE = {"kind": "niah", "context_tokens": [384], "depths": [0.2, 0.7], "samples": 1, "seed": 0}
+TIMING = ("_s", "seconds", "wall", "rows_per_s")
+
+
+def job(tmp_path, name: str, tiny_dir, max_samples: int, tolerance: float, round_: int = 2) -> pd.DataFrame:
+    run = {"methods": METHODS, "budgets": [0.5, 0.1], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
+           "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
+           "sequential": {"max_samples": max_samples, "round": round_, "tolerance_points": tolerance}}
+    return run_job(tiny_dir, "niah_single", NEEDLE, 384, run, tmp_path / f"{name}.parquet")
+
+
+def decided(rows: pd.DataFrame, tolerance: float) -> bool:
+    """Every question mode's cell of these rows (one variant, with the full rows) is safe or unsafe."""
+    return not open_variants(rows, tolerance)
+
+
+def test_planned_prompts():
+    assert planned({"kind": "niah"}, 6, 96) == 96
+    assert planned({"kind": "niah", "max_samples": 20}, 6, 96) == 20
+    assert planned({"kind": "niah"}, 6, 0) == 6  # a fixed grid
+    assert planned({"kind": "continuation"}, 10, 96) == 10  # KL never stops early
+    assert per_point(6, 2, 20) == 7  # three points: 7 each reach 20
+
+
+def test_more_draws_keep_the_first_ones_in_draw_order(tiny):
+    """Raising the prompts a job may reach only appends: the first round's prompts come first, unchanged, and every
+    prefix covers the depths evenly."""
+    tokenizer = tiny[1]
+    first = generate("n", NEEDLE, tokenizer, 384)
+    samples, n0 = draw_samples("n", NEEDLE, tokenizer, 384, 7)
+    assert n0 == len(first) == 2 and len(samples) == 7
+    assert [s.sample_id for s in samples[:2]] == [s.sample_id for s in first]
+    assert [s.depth for s in samples] == [0.2, 0.7, 0.2, 0.7, 0.2, 0.7, 0.2]
+    assert len({s.prompt.sha1 for s in samples}) == 7
+
+
+def test_decided_variants_stop_and_open_ones_go_on(tmp_path, tiny_dir):
+    """At a 60-point tolerance a few prompts decide a cell. Each variant stops at the first round after which all its
+    cells are decided (checked against the bounds recomputed on its rows at every round end), the full cache runs
+    every round, rounds hold `round` prompts after the first, and the job ends when nothing is open."""
+    rows = job(tmp_path, "a", tiny_dir, max_samples=24, tolerance=60)
+    full = rows[rows["method_kind"] == "full"]
+    draws = sorted(full["draw"].unique())
+    assert draws == list(range(len(draws)))
+    rounds = full.drop_duplicates("sample_id").groupby("round")["sample_id"].size()
+    assert rounds.iloc[0] == 2 and (rounds.iloc[1:-1] == 2).all()
+    assert (rows["max_samples"] == 24).all()
+    ends = full.groupby("round")["draw"].max().to_dict()  # the last draw of each round
+    for (method, budget), g in rows[rows["method_kind"] != "full"].groupby(["method", "budget"]):
+        last = g["round"].max()
+        seen = pd.concat([g, full[full["round"] <= last]])
+        assert decided(seen, 60) or last == full["round"].max()
+        if last > 1:  # it was still open after the round before its last
+            before = pd.concat([g[g["round"] < last], full[full["round"] < last]])
+            assert not decided(before, 60)
+        assert g["draw"].max() == ends[last]
+    if full["draw"].max() + 1 < 24:  # stopped early: nothing was open
+        assert not open_variants(rows, 60)
+
+
+def test_two_runs_give_identical_rows_and_a_fixed_grid_stays_fixed(tmp_path, tiny_dir):
+    a = job(tmp_path, "a", tiny_dir, max_samples=10, tolerance=60)
+    b = job(tmp_path, "b", tiny_dir, max_samples=10, tolerance=60)
+    keep = [c for c in a.columns if not any(t in c for t in TIMING)]
+    pd.testing.assert_frame_equal(a[keep].reset_index(drop=True), b[keep].reset_index(drop=True))
+    fixed = job(tmp_path, "c", tiny_dir, max_samples=0, tolerance=60)
+    assert fixed["draw"].nunique() == 2 and (fixed["round"] == 1).all()
+    assert fixed.groupby(["method", "budget"])["sample_id"].nunique().eq(2).all()
+
+
+def test_the_job_decides_as_the_report_does(tmp_path, tiny_dir):
+    """A cell the job stopped is decided by the report's own bound on the rows it left (paired drop by sample)."""
+    rows = job(tmp_path, "a", tiny_dir, max_samples=16, tolerance=60)
+    pairs = cell_drops(rows)
+    for key, g in pairs.groupby(["method", "budget", "question_mode"]):
+        s = per_sample(g, ["full_score", "score"])
+        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), 60)
+        stopped = g["draw"].max() < rows["draw"].max()
+        if stopped:
+            siblings = pairs[(pairs["method"] == key[0]) & (pairs["budget"] == key[1])]
+            assert all(drop_bounds(*per_sample(x, ["full_score", "score"]).to_numpy().T, 60).decide(60) != "inconclusive"
+                       for _, x in siblings.groupby("question_mode"))
+        assert b.n == g["sample_id"].nunique()
