@@ -1,5 +1,6 @@
 """The decision table and its comparison with the article, on hand-made result tables; C9 on the cost rows."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -10,15 +11,17 @@ from kvlab.report.verdicts.cost import matches as _matches
 
 def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None, scheme=None, bits=None, press=None,
         kind="kvpress", rows=200):
-    """`rows` samples of one cell of the answers query: the first accuracy × rows answers right (the full
-    cache's: the first full × rows), or on prose every sample at KL `kl`."""
+    """`rows` samples of one cell of the answers query: accuracy × rows answers right (the full cache's: full ×
+    rows, a superset), spread over the samples in a seeded random order as a run's draws would be (the bounds read
+    samples in draw order), or on prose every sample at KL `kl`."""
+    rank = np.random.default_rng(0).permutation(rows)
     base = {"model": "m", "shape": shape, "task": shape, "context_tokens": 512, "question_mode": mode, "method": method,
             "method_kind": kind, "press": press, "wrapper": None, "scheme": scheme, "bits": bits,
             "key_axis": "channel" if scheme == "kivi" else None, "value_axis": "token" if scheme == "kivi" else None,
             "policy": "kivi" if scheme == "kivi" else None, "budget": budget, "turn": 1, "kv_fraction_bf16": fraction if fraction is not None else budget}
     return [{**base, "sample_id": f"{shape}-{i}", "kl_vs_full": kl,
-             "score": None if kl is not None else float(i < round(accuracy * rows)),
-             "full_score": None if kl is not None else float(i < round(full * rows))} for i in range(rows)]
+             "score": None if kl is not None else float(rank[i] < round(accuracy * rows)),
+             "full_score": None if kl is not None else float(rank[i] < round(full * rows))} for i in range(rows)]
 
 
 def answers(*cells) -> pd.DataFrame:
@@ -110,7 +113,9 @@ def test_decision_table_names_undecided_methods_inconclusive_not_safe():
     assert needle["safe (most compression first)"] == "none" and needle["safe at ≥ 4×"] == "none"
     assert needle["inconclusive at ≥ 4×"].startswith("h2o@0.25 (4.0×): 0% [0%, 66%] vs full 100%")
     assert "snapkv@0.25 (4.0×): 100% [34%, 100%] vs full 100% [34%, 100%], drop +0.0 pts" in needle["inconclusive at ≥ 4×"]
-    assert "n=2; ~" in needle["inconclusive at ≥ 4×"] and needle["unsafe at every budget"] == ""
+    # a lossless cell is decided safe at 63 samples and one that loses every answer unsafe at 6 (kvlab.anytime)
+    assert "drop +0.0 pts, bounds [-100.0, +100.0], n=2; needs about 61 more samples" in needle["inconclusive at ≥ 4×"]
+    assert "n=2; needs about 4 more samples" in needle["inconclusive at ≥ 4×"] and needle["unsafe at every budget"] == ""
 
 
 def test_article_comparison_is_inconclusive_on_too_few_samples():

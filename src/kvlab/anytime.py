@@ -18,19 +18,20 @@ nonnegative supermartingale, so by Ville's inequality it ever reaches 1/α with 
     lower bound L_t = the largest m whose upward wealth reached 1/α at some n ≤ t,
     upper bound U_t = the smallest m whose downward wealth reached 1/α at some n ≤ t,
 each a one-sided (1 − α) bound valid at every t simultaneously (kept as running intersections, so they never widen).
-A decision at a threshold θ is the same test at m = θ: 'safe' once U ≤ θ (the drop is below θ), 'unsafe' once L > θ.
+A decision at a threshold θ is the same test at m = θ: 'safe' once U ≤ θ (the drop is below θ), 'unsafe' once L ≥ θ.
 The wealth at θ, stopped when it first reaches 1/α, is an e-value: e-BH over a table of them bounds the share of
 wrong decisions in the table (`ebh`).
 
-The stakes. λ_i is the larger of two predictable choices (any predictable choice keeps the guarantee):
-- the growth-optimal stake for a bet at θ given the running mean μ̂ and variance σ̂² (the paper's aGRAPA):
-  (θ − μ̂)/(σ̂² + (θ − μ̂)²) downward, (μ̂ − θ)/(σ̂² + (μ̂ − θ)²) upward, at least 0. This is what makes decisions
-  fast: a cell that never loses an answer stakes the cap from its first samples on;
-- the predictable plug-in sqrt(2 log(1/α) / (σ̂² · t · log(1 + t))), which keeps the bounds narrow away from θ.
-Neither depends on m except through the cap, so each wealth is monotone in m and the bounds are intervals.
-μ̂ and σ̂² start from one pseudo-sample at the middle of the range with variance (range/4)², and use only earlier
-samples. With c = 0.9, α = 0.05 and θ = 5 points, a cell that loses no answer is decided safe after 67 samples (the
-exact fixed-n binomial bound needs 59) and one that loses every answer is decided unsafe after 6.
+The stakes. The wealth is a mix (any mix of test martingales is one): a share WEIGHT is bet with the empirical
+Kelly stake at θ (the paper's GRAPA): stake t is the fraction in [0, c/width] that would have grown the wealth most
+over samples 1..t−1 (0 while none would). This is what makes decisions fast: a cell that never loses an answer
+stakes the cap from its second sample on, and one that loses answers stops betting on 'safe' until the losses look
+rare. The rest is bet with the predictable plug-in stake sqrt(2 log(1/α) / (σ̂² · t · log(1 + t))) (σ̂² from the
+earlier samples and one pseudo-sample at the middle of the range with variance (range/4)²), which keeps the bounds
+narrow away from θ. Neither stake depends on m except through the cap, so each wealth is monotone in m and the
+bounds are intervals. With c = 0.95, α = 0.05 and θ = 5 points, a cell that loses no answer is decided safe after
+63 samples (no level-5% test can do it before 59, the exact binomial floor) and one that loses every answer is
+decided unsafe after 6.
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ def _log_wealth(x, m, kelly, plug_in, width, sign):
     return np.logaddexp(math.log(WEIGHT) + log_k(kelly), math.log(1 - WEIGHT) + log_k(plug_in))
 
 
+def _bisect(grid: np.ndarray, test) -> int:
+    """The first index of `grid` where the monotone `test` (false, …, false, true, …) holds; len(grid) if none."""
+    a, b = 0, len(grid)
+    while a < b:
+        mid = (a + b) // 2
+        if test(grid[mid]):
+            b = mid
+        else:
+            a = mid + 1
+    return a
+
+
 def _first(crossed: np.ndarray) -> int:
     return int(np.argmax(crossed)) + 1 if crossed.any() else 0
 
@@ -115,18 +128,29 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA) ->
         raise ValueError(f"threshold {threshold} must lie strictly inside the scores' range [{lo}, {hi}]")
     if len(x) == 0:
         return Sequence(lo, hi, 1.0, 1.0, 0, 0, math.inf)
-    if np.isnan(x).any() or x.min() < lo - 1e-9 or x.max() > hi + 1e-9:
-        raise ValueError(f"scores must lie in [{lo}, {hi}]; got values from {np.nanmin(x)} to {np.nanmax(x)} (or NaN)")
+    if np.isnan(x).any():
+        raise ValueError(f"scores must be numbers in [{lo}, {hi}]; got NaN at sample {int(np.argmax(np.isnan(x))) + 1}")
+    if x.min() < lo - 1e-9 or x.max() > hi + 1e-9:
+        raise ValueError(f"scores must lie in [{lo}, {hi}]; got values from {x.min()} to {x.max()}")
     x = np.clip(x, lo, hi)
     plug_in = _plug_in(x, lo, hi, alpha)
     up = _kelly(x, threshold, CAP / (threshold - lo), +1)
     down = _kelly(x, threshold, CAP / (hi - threshold), -1)
     grid = np.union1d(np.linspace(lo, hi, GRID + 1)[1:-1], [threshold])
     level = math.log(1 / alpha)
-    rejected_up = (_log_wealth(x, grid, up, plug_in, grid - lo, +1) >= level).any(axis=1)  # m below the mean
-    rejected_down = (_log_wealth(x, grid, down, plug_in, hi - grid, -1) >= level).any(axis=1)  # m above the mean
-    low = float(grid[rejected_up].max()) if rejected_up.any() else lo
-    high = float(grid[rejected_down].min()) if rejected_down.any() else hi
+
+    def rejected_up(m: float) -> bool:  # true for every m up to the lower bound (the wealth falls as m rises)
+        at = np.array([m])
+        return bool((_log_wealth(x, at, up, plug_in, at - lo, +1) >= level).any())
+
+    def rejected_down(m: float) -> bool:  # true for every m from the upper bound on
+        at = np.array([m])
+        return bool((_log_wealth(x, at, down, plug_in, hi - at, -1) >= level).any())
+
+    first_kept = _bisect(grid, lambda m: not rejected_up(m))  # the first grid point the upward bets keep
+    low = float(grid[first_kept - 1]) if first_kept > 0 else lo
+    first_out = _bisect(grid, rejected_down)
+    high = float(grid[first_out]) if first_out < len(grid) else hi
     at = np.array([threshold])
     wealth_up = _log_wealth(x, at, up, plug_in, at - lo, +1)[0]
     wealth_down = _log_wealth(x, at, down, plug_in, hi - at, -1)[0]

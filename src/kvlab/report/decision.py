@@ -33,8 +33,11 @@ DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "va
 
 def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     """One cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
-    cache with its paired bootstrap bounds over samples, or on prose the mean per-sample KL with its bounds;
-    `sample_sd`, the per-sample spread behind the bounds; `n_to_decide` for an inconclusive cell (normal approximation, kvlab.report.stats)."""
+    cache with its betting bounds over samples in draw order (valid however the job stopped: kvlab.anytime), or on
+    prose the mean per-sample KL with its bootstrap bounds; `sample_sd`, the per-sample spread; for a drop, the
+    sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation round, the e-values of
+    its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide` for an inconclusive cell
+    (kvlab.report.stats)."""
     out = {c: rows[c].iloc[0] for c in DESCRIBE if c in rows}
     if "kv_fraction_bf16" in rows:
         out["kv_fraction_bf16"] = rows["kv_fraction_bf16"].mean()
@@ -43,9 +46,12 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
         b, threshold = mean_bounds(per_sample(rows, ["kl_vs_full"])["kl_vs_full"], rule.kl_min_samples), rule.kl_safe
         out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, decision=b.decide(threshold))
     else:
-        s = per_sample(rows, ["score", "full_score"])
+        s = per_sample(rows, ["score", "full_score", *(["round"] if "round" in rows else [])])
         threshold = rule.tolerance_points
         b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), threshold)
+        out.update(decided_at=b.decided_at or math.nan, e_safe=b.e_safe, e_unsafe=b.e_unsafe,
+                   decided_round=s["round"].iloc[b.decided_at - 1] if b.decided_at and "round" in s else math.nan,
+                   cap=_cap(rows))
         acc_low, acc_high = wilson(rows["score"].sum(), len(rows))
         full_low, full_high = wilson(rows["full_score"].sum(), len(rows))
         full = rows["full_score"].mean()
@@ -55,6 +61,14 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     out["sample_sd"] = b.sd  # the per-sample spread the bounds come from (points of drop, or nats of KL)
     out["n_to_decide"] = b.n_to_decide(threshold) if out["decision"] == "inconclusive" else math.nan
     return out
+
+
+def _cap(rows: pd.DataFrame) -> float:
+    """The most samples the cell could have had: the sum over its jobs (task × context length) of their max_samples
+    (nan for rows written before rounds existed)."""
+    if "max_samples" not in rows or rows["max_samples"].isna().any():
+        return math.nan
+    return float(rows.groupby(["task", "context_tokens"])["max_samples"].max().sum())
 
 
 def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
@@ -75,10 +89,21 @@ def evidence(r) -> str:
                 f"[{r['full_low']:.0%}, {r['full_high']:.0%}], drop {r['drop_points']:+.1f} pts, "
                 f"bounds [{r['drop_low']:+.1f}, {r['drop_high']:+.1f}], n={r['samples']}")
     if r["decision"] == "inconclusive":
-        n = r["n_to_decide"]
-        text += (f"; ~{n:,.0f} samples to decide" if math.isfinite(n) else "; no n decides it" if n == math.inf
-                 else "; the n to decide needs a second sample")
+        text += "; " + why_open(r)
     return text
+
+
+def why_open(r) -> str:
+    """Why an inconclusive cell is open: it reached its jobs' max_samples, or about how many more samples like its
+    own would decide it (kvlab.anytime: the best constant stake's growth, so a low estimate), or none would."""
+    n, cap = r["n_to_decide"], r.get("cap", math.nan)
+    if isinstance(cap, float) and math.isfinite(cap) and r["samples"] >= cap:
+        return f"reached max_samples ({cap:,.0f})"
+    if n == math.inf:
+        return "no n decides it (its mean sits on the threshold)"
+    if not math.isfinite(n):
+        return "the n to decide needs a second sample"
+    return f"needs about {max(n - r['samples'], 1):,.0f} more samples"
 
 
 def _label(r) -> str:

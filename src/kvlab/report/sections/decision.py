@@ -10,17 +10,20 @@ TITLE = "Decision table (article §7.2), regenerated"
 QUERIES = ("answers",)
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "kv_fraction_bf16", "samples", "answers", "accuracy",
          "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
-         "kl_low", "kl_high", "decision", "n_to_decide"]
+         "kl_low", "kl_high", "decision", "decided_at", "n_to_decide"]
 
 
 def rule_text(rule: Rule) -> str:
     return (
         f"a method is <b>safe</b> at a budget when the one-sided 95% upper bound of its accuracy drop vs the full "
         f"cache on the same samples is at most {rule.tolerance_points:g} points (config <code>decision.tolerance_points</code>), "
-        f"<b>unsafe</b> when the lower bound exceeds it, and <b>inconclusive</b> otherwise; on prose, with no answers "
+        f"<b>unsafe</b> when the lower bound reaches it, and <b>inconclusive</b> otherwise; on prose, with no answers "
         f"to score, the same rule holds for its per-token KL against {rule.kl_safe:g} nat (from at least "
-        f"{rule.kl_min_samples} samples). Bounds: paired bootstrap over samples (a method and the full cache "
-        f"resampled together; turns and question modes of a sample averaged first), accuracy intervals Wilson 95%"
+        f"{rule.kl_min_samples} samples). Bounds of a drop: a betting confidence sequence over the per-sample paired "
+        f"drops in draw order (kvlab.anytime; turns of a sample averaged first), valid at every n at once, so the "
+        f"evaluation jobs' early stopping keeps each decision's error at most 5%: a method whose true drop is at least "
+        f"the tolerance is called safe, or one whose drop is at most it unsafe, in at most 5% of cells. Prose KL: "
+        f"bootstrap over samples at a fixed n (prose jobs never stop early). Accuracy intervals: Wilson 95%"
     )
 
 
@@ -37,9 +40,11 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"its bounds and the samples that would decide it at the observed effect.</p>"
         + table(decision_table(rows, rule))
         + "<h3>Every cell</h3><p class='note'>Per method and budget: accuracy with its Wilson 95% interval over the "
-        "answers, the drop vs the full cache in points with its one-sided 95% bounds (paired bootstrap over the "
-        "samples), or the mean per-sample KL with its bounds; n_to_decide: samples that would decide an "
-        "inconclusive cell if the observed effect and spread held (normal approximation).</p>"
+        "answers, the drop vs the full cache in points with its one-sided 95% bounds (the betting confidence "
+        "sequence over samples), or the mean per-sample KL with its bootstrap bounds; n_to_decide: samples in all "
+        "that would decide an inconclusive cell if its samples went on alike (at the best constant stake: a low "
+        "estimate); decided_at: the sample at which its bound decided it (the next section shows where the answers "
+        "went).</p>"
         + table(every[[c for c in SHOWN if c in every]])
         + "<h3>Against the article's decision table</h3><p class='note'>Each recommendation of the article's "
         "table, on the task shape that stands for its workload (long-document QA: RULER's qa_1 and qa_2 where this "

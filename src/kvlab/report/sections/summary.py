@@ -3,7 +3,7 @@ methods reach ≥ the target's fewer bytes than bf16 and stay safe (the decision
 
 import pandas as pd
 
-from kvlab.report.decision import Rule, cells, decision_table
+from kvlab.report.decision import Rule, cells, decision_table, evidence
 from kvlab.report.html import esc
 
 TITLE = "Summary"
@@ -20,7 +20,23 @@ def decided(answers: pd.DataFrame, rule: Rule) -> str:
     unjudged = n - int(c.get("safe", 0) + c.get("unsafe", 0) + c.get("inconclusive", 0))
     rest = f", {unjudged} not judged (the full cache scores 0%)" if unjudged else ""
     return (f"<p><b>How sure:</b> of {n} cells (a method at a budget, per task shape and question mode), this run's "
-            f"samples decide {int(c.get('safe', 0) + c.get('unsafe', 0))}: {parts}{rest}.</p>")
+            f"samples decide {int(c.get('safe', 0) + c.get('unsafe', 0))}: {parts}{rest}. Each decision holds its own "
+            f"5% error level, however early its job stopped; 'Where the answers went' gives the false-decision rate "
+            f"across the table (e-BH).</p>")
+
+
+def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
+    """The methods decided safe, with their n and bounds, by task shape and question mode."""
+    if answers.empty:
+        return ""
+    c = cells(answers, rule, by=["model", "shape", "question_mode"])
+    safe = c[c["decision"] == "safe"].sort_values(["shape", "question_mode", "kv_fraction_bf16", "method"])
+    if safe.empty:
+        return "<p><b>Decided safe:</b> no method on any cell of this run.</p>"
+    items = "".join(f"<li>{esc(r['shape'])} ({esc(r['question_mode'])}): <b>{esc(r['method'])}"
+                    f"{'@' + format(r['budget'], 'g') if r['budget'] < 1 else ''}</b> ({1 / r['kv_fraction_bf16']:.1f}×): "
+                    f"{esc(evidence(r))}</li>" for _, r in safe.iterrows())
+    return f"<p><b>Decided safe</b> (each with its n and one-sided 95% bounds):</p><ul>{items}</ul>"
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
@@ -46,7 +62,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
             best = f" (best safe: {safe.split(', ')[0]})" if safe != "none" else " (nothing decided safe at any budget)"
             items.append(f"<li>{esc(where)}: none decided safe at ≥ {rule.target:g}×{esc(best + pending)}</li>")
     return (
-        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>" + decided(q["answers"], rule) +
+        f"<p>Model(s): <b>{esc(names)}</b>. Grid: {esc(grid)}.</p>" + decided(q["answers"], rule) + safe_list(q["answers"], rule) +
         f"<p><b>The article's question — 40 GB → 10 GB, which method is safe on which task?</b> On this run, the "
         f"methods that stored at most 1/{rule.target:g} of the full cache's bf16 bytes and are decided safe: the "
         f"one-sided 95% upper bound of their accuracy drop is at most {rule.tolerance_points:g} points (on prose: of "
