@@ -4,7 +4,7 @@ prompts go on to open ones, the draw order only grows, and two runs give the sam
 import pandas as pd
 from kvlab.evaluate import draw_samples, run_job
 from kvlab.report.stats import drop_bounds, per_sample
-from kvlab.sequential import cell_drops, open_variants, per_point, planned
+from kvlab.sequential import cell_drops, open_cells, per_point, planned
 from kvlab.tasks import generate
 
 METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
@@ -22,7 +22,7 @@ def job(tmp_path, name: str, tiny_dir, max_samples: int, tolerance: float, round
 
 def decided(rows: pd.DataFrame, tolerance: float) -> bool:
     """Every question mode's cell of these rows (one variant, with the full rows) is safe or unsafe."""
-    return not open_variants(rows, tolerance)
+    return not open_cells(rows, tolerance)
 
 
 def test_planned_prompts():
@@ -66,7 +66,7 @@ def test_decided_variants_stop_and_open_ones_go_on(tmp_path, tiny_dir):
             assert not decided(before, 60)
         assert g["draw"].max() == ends[last]
     if full["draw"].max() + 1 < 24:  # stopped early: nothing was open
-        assert not open_variants(rows, 60)
+        assert not open_cells(rows, 60)
 
 
 def test_two_runs_give_identical_rows_and_a_fixed_grid_stays_fixed(tmp_path, tiny_dir):
@@ -92,3 +92,22 @@ def test_the_job_decides_as_the_report_does(tmp_path, tiny_dir):
             assert all(drop_bounds(*per_sample(x, ["full_score", "score"]).to_numpy().T, 60).decide(60) != "inconclusive"
                        for _, x in siblings.groupby("question_mode"))
         assert b.n == g["sample_id"].nunique()
+
+
+def test_only_the_open_modes_are_compressed_and_decoded(tiny):
+    """open_modes gives snapkv@0.5 only its aware cell: it has no agnostic rows, fp8 (no open cell) none at all, the
+    full cache both modes, and snapkv's aware answers are those of the unrestricted run."""
+    from kvlab.engine import evaluate_samples
+    from kvlab.methods import variants
+
+    model, tokenizer = tiny
+    samples = generate("n", NEEDLE, tokenizer, 384)
+    grid = variants(METHODS, [0.5], "n")
+    every = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4))
+    some = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4,
+                                         open_modes={("snapkv", 0.5): {"aware"}}))
+    assert set(some.loc[some["method"] == "snapkv", "question_mode"]) == {"aware"}
+    assert "fp8" not in set(some["method"]) and set(some.loc[some["method"] == "full", "question_mode"]) == {"agnostic", "aware"}
+    keys = ["sample_id", "method", "question_mode", "turn"]
+    both = some.merge(every, on=keys, suffixes=("", "_all"))
+    assert len(both) == len(some) and (both["prediction"] == both["prediction_all"]).all()

@@ -18,7 +18,7 @@ from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
-from kvlab.sequential import open_variants, per_point, planned
+from kvlab.sequential import open_cells, per_point, planned
 from kvlab.tasks import generate, max_new_tokens, samples_at
 
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def run_job(
     rows = []
     t0 = time.perf_counter()
     at_once = samples_at_once(context_tokens)
-    active, done, round_ = grid, 0, 0
+    active, still, done, round_ = grid, None, 0, 0
     with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
         while done < len(samples):
             round_ += 1
@@ -118,7 +118,7 @@ def run_job(
                 noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
                 in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
                 found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
-                                         other=other if in_dtype else None, other_samples=in_dtype)
+                                         other=other if in_dtype else None, other_samples=in_dtype, open_modes=still)
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
                 rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
                 bar.update(len(chunk))
@@ -128,10 +128,10 @@ def run_job(
                 r["round_s"] = time.perf_counter() - t_round  # the round's wall seconds (its rows share them)
             done = end
             if done < len(samples):
-                still = open_variants(pd.DataFrame(rows), plan["tolerance_points"])
+                still = open_cells(pd.DataFrame(rows), plan["tolerance_points"])
                 active = [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
-                log.info("round %d done (%d samples): %d of %d variants have an open cell", round_, done, len(active) - 1,
-                         len(grid) - 1)
+                log.info("round %d done (%d samples): %d of %d variants have an open cell (%d cells open)", round_, done,
+                         len(active) - 1, len(grid) - 1, sum(map(len, still.values())))
                 if len(active) == 1:
                     break
     frame = pd.DataFrame(rows)

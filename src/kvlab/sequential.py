@@ -5,7 +5,8 @@ of the job (method × budget × question mode) is decided as the report decides 
 against the full cache, bounded by a betting confidence sequence (kvlab.report.stats.drop_bounds, kvlab.anytime),
 safe when its upper bound is within the tolerance, unsafe when its lower bound reaches it. Those bounds hold at
 every n at once, so stopping on them keeps their level. The next `round` prompts go to the full cache (always: the
-reference) and to the variants with an open cell; the job ends when none is open or `max_samples` prompts ran.
+reference) and to the variants with an open cell, each only for the compressions its open question modes need
+(kvlab.engine.sample); the job ends when none is open or `max_samples` prompts ran.
 Prompts are drawn index by index (kvlab.tasks.base.grid_samples), so a longer run only adds prompts, and stopping
 depends on the answers alone, so two runs give the same rows.
 
@@ -46,12 +47,12 @@ def cell_drops(rows: pd.DataFrame) -> pd.DataFrame:
     return other.merge(full.rename(columns={"score": "full_score"}), on=["sample_id", "question_mode", "turn"])
 
 
-def open_variants(rows: pd.DataFrame, tolerance_points: float) -> set[tuple[str, float]]:
-    """The (method, budget) pairs with at least one question mode whose cell is neither safe nor unsafe yet."""
+def open_cells(rows: pd.DataFrame, tolerance_points: float) -> dict[tuple[str, float], set[str]]:
+    """(method, budget) -> its question modes whose cell is neither safe nor unsafe yet (pairs with none left out)."""
     scored = cell_drops(rows[rows["score"].notna()])
-    out = set()
-    for (method, budget, _mode), g in scored.groupby(["method", "budget", "question_mode"], sort=False):
+    out: dict[tuple[str, float], set[str]] = {}
+    for (method, budget, mode), g in scored.groupby(["method", "budget", "question_mode"], sort=False):
         s = per_sample(g, ["full_score", "score"])
         if drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), tolerance_points).decide(tolerance_points) == "inconclusive":
-            out.add((method, float(budget)))
+            out.setdefault((method, float(budget)), set()).add(mode)
     return out

@@ -78,6 +78,7 @@ def evaluate_sample(
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
     kl: bool = True, noise_samples: int | None = None, other=None, other_samples: int | None = None,
+    open_modes: dict | None = None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -96,7 +97,9 @@ def evaluate_samples(
     (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample),
     stepped together as one batch; its seconds are split evenly among them. With `other` (the model loaded in another
     compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
-    (`decode.dtype_floor`): the noise floor of the compute dtype.
+    (`decode.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
+    None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
+    for the compressions that give one of its modes (it still gets every row those compressions give).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -118,7 +121,7 @@ def evaluate_samples(
         before = len(pending)
         wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
         rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s, pending if wanted_here else None)
+                      reference_s, pending if wanted_here else None, open_modes)
         owner += [i] * (len(pending) - before)
     _fill(pending, [measured(noise_samples, i) for i in owner], lambda todo: noise_floor(model, [r for r, _, _ in todo]), "noise_s")
     if other is not None:
@@ -142,14 +145,25 @@ def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
             row.update(columns, **{seconds: each})
 
 
+def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict | None) -> tuple[list[Variant], int]:
+    """The variants a compression must run (the reference, and those with one of its `modes` open) and the
+    reference's index among them."""
+    if open_modes is None:
+        return variants, ref
+    keep = [v for i, v in enumerate(variants) if i == ref or modes & set(open_modes.get((v.method, v.budget), ()))]
+    return keep, keep.index(variants[ref])
+
+
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, pending: list | None) -> list[dict]:
+          reference_s: float, pending: list | None, open_modes: dict | None = None) -> list[dict]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer). With `pending` (a
     list), each full row with a KL path adds its noise-floor request, its rows and the token ids before its path, to
-    be filled in later."""
+    be filled in later. `open_modes`: as in `evaluate_samples`."""
     sample, p = pl.sample, pl.sample.prompt
     rows = []
+    every, every_ref = variants, ref
     for key, labelled in pl.turns_of.items():
+        variants, ref = _needed(every, every_ref, {m for ms in labelled.values() for m in ms}, open_modes)
         base, _ = pl.bases[key]
         caches, compress_s, stats = [], [], []
         for variant in variants:
