@@ -27,7 +27,8 @@ def test_derived_config_is_the_full_preset_on_the_tiny_model():
     assert list(derived["tasks"]) == list(FULL["tasks"])
     for name, task in FULL["tasks"].items():
         got = derived["tasks"][name]
-        assert {k: v for k, v in got.items() if k in task and k != "samples"} == {k: v for k, v in task.items() if k != "samples"}
+        assert {k: v for k, v in got.items() if k in task and k != "samples"} == {k: v for k, v in task.items() if k not in ("samples", "max_samples")}
+        assert "max_samples" not in got and derived["sequential"]["max_samples"] == 0  # one sample per cell, no rounds
         assert got["samples"] == 1
     assert derived["methods"] == resolve(CONFIG, SCHEMA)["methods"]  # `full` sets no methods: the top-level ones
     for key in ("budgets", "question_modes", "throughput"):

@@ -4,6 +4,7 @@ import math
 import re
 
 import duckdb
+import numpy as np
 import pandas as pd
 import pytest
 from scipy import stats
@@ -11,6 +12,7 @@ from scipy import stats
 from kvlab.report.build import build
 from kvlab.report.decision import decision_table, outcomes
 from kvlab.report.sections import power, verdict_grid
+from kvlab.report.stats import drop_bounds
 from kvlab.tasks.base import Prompt, Turn
 
 
@@ -32,24 +34,27 @@ def frame(*cells) -> pd.DataFrame:
 
 
 def test_power_matches_a_hand_computation():
-    # 4 samples, one lost: the per-sample drops with the bootstrap's pseudo-samples (one lost, one gained) are
-    # 0, 1, 0, 0, 1, −1: mean 1/6, variance (3 − 6·(1/6)²)/5 = 17/30, so sd = 100·√(17/30) points
+    # 4 samples, one lost: the per-sample drops 0, 1, 0, 0 have mean 1/4 and sd √(1/4) = 50 points
     rows = frame(cell("snapkv", "single needle", 0.25, [1.0, 0.0, 1.0, 1.0]))
     (r,) = power.power_table(rows, power.Rule()).to_dict("records")
-    z, sd = stats.norm.ppf(0.95), 100 * math.sqrt(17 / 30)
+    z, sd = stats.norm.ppf(0.95), 50.0
     assert r["samples"] == 4 and r["sd_points"] == pytest.approx(sd)
     assert r["detectable_drop_points"] == pytest.approx(z * sd / 2)  # z·sd/√4
-    assert r["samples_for_±1_point"] == math.ceil((z * sd / 1) ** 2) == 15_332
+    b = drop_bounds(np.ones(4), np.array([1.0, 0.0, 1.0, 1.0]), 1)
+    assert r["samples_for_±1_point"] == b.n_to_decide(1) > 4
     assert r["drop_points"] == 25.0 and r["drop_low"] <= 25.0 <= r["drop_high"]
 
 
-def test_power_at_large_n_is_the_observed_spread_over_root_n():
-    # 500 samples, half lost: the drops' sd is 50 points (the pseudo-samples move it by under 1%), so the
-    # detectable drop is z·50/√500 ≈ 3.7 points and ±1 point needs (z·50)² ≈ 6,764 samples
+def test_power_at_large_n_and_the_lossless_need():
+    # 500 samples, half lost: the drops' sd is 50 points, so the detectable drop is z·50/√500 ≈ 3.7 points, and
+    # the 1-point statement is already decided (unsafe) at this n; a lossless cell of 100 samples would need 315 in
+    # all (the betting bound at 1 point, kvlab.anytime)
     (r,) = power.power_table(frame(cell("x", "recency", 0.5, [1.0, 0.0] * 250)), power.Rule()).to_dict("records")
     z = stats.norm.ppf(0.95)
     assert r["detectable_drop_points"] == pytest.approx(z * 50 / math.sqrt(500), rel=0.01)
-    assert r["samples_for_±1_point"] == pytest.approx((z * 50) ** 2, rel=0.02)
+    assert r["samples_for_±1_point"] == 500
+    (lossless,) = power.power_table(frame(cell("y", "recency", 0.5, [1.0] * 100)), power.Rule()).to_dict("records")
+    assert 305 <= lossless["samples_for_±1_point"] <= 325
 
 
 def test_distinct_prompts_per_cell_flag_a_repeat():

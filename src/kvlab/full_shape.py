@@ -33,7 +33,7 @@ TINY = {"source": "tiny", "architecture": "qwen2", "layers": 2, "hidden_size": 6
 def derive(config: dict, preset: str = PRESET) -> dict:
     """`config` (config.yaml as read, presets included) with `preset` applied as the pipeline applies it (each key
     replaces the top-level one), then made to run on a CPU: the tiny model (positions enough for the longest
-    context and its decoding), cpu, float32, one sample per task cell."""
+    context and its decoding), cpu, float32, one sample per task cell (no rounds)."""
     presets = config.get("presets") or {}
     if preset not in presets:
         raise ValueError(f"no preset {preset!r} in the config; presets: {', '.join(presets) or 'none'}")
@@ -42,6 +42,8 @@ def derive(config: dict, preset: str = PRESET) -> dict:
     derived["device"], derived["dtype"] = "cpu", "float32"
     for task in derived["tasks"].values():
         task["samples"] = 1
+        task.pop("max_samples", None)
+    derived["sequential"] = {"max_samples": 0}  # one sample per cell: no rounds
     # benchmark.samples too: the engine-vs-pipeline job runs the benchmark task with its own sample count
     derived["benchmark"]["samples"] = 1
     derived["models"] = {MODEL: {**TINY, "max_position_embeddings": positions_needed(derived)}}
