@@ -104,10 +104,11 @@ def test_a_lossless_cell_is_decided_at_the_binomial_floor_plus_a_few():
 
 
 def test_e_values_and_ebh():
-    """The stopped e-value reaches 1/α exactly when the test decides; e-BH keeps the k largest e-values with
-    e_(k) ≥ K/(αk)."""
-    s = sequence(np.zeros(80), -1.0, 1.0, 0.05)
-    assert s.e_down >= 1 / ALPHA and s.e_up < 1
+    """The e-value is the wealth at the last sample: past 1/α once the test decided and still growing on lossless
+    samples; e-BH keeps the k largest e-values with e_(k) ≥ K/(αk)."""
+    s, more = sequence(np.zeros(80), -1.0, 1.0, 0.05), sequence(np.zeros(120), -1.0, 1.0, 0.05)
+    assert s.e_down >= 1 / ALPHA and s.e_up < 1 and more.e_down > s.e_down
+    assert sequence(np.zeros(50), -1.0, 1.0, 0.05).e_down < 1 / ALPHA
     assert list(ebh([1000.0, 50.0, 25.0, 0.5])) == [True, True, False, False]  # K=4: 80, 40, 26.7 at k = 1, 2, 3
     assert list(ebh([1000.0, 50.0, 30.0, 0.5])) == [True, True, True, False]
     assert list(ebh([100.0, 100.0, 100.0, 100.0])) == [True] * 4

@@ -19,8 +19,8 @@ nonnegative supermartingale, so by Ville's inequality it ever reaches 1/α with 
     upper bound U_t = the smallest m whose downward wealth reached 1/α at some n ≤ t,
 each a one-sided (1 − α) bound valid at every t simultaneously (kept as running intersections, so they never widen).
 A decision at a threshold θ is the same test at m = θ: 'safe' once U ≤ θ (the drop is below θ), 'unsafe' once L ≥ θ.
-The wealth at θ, stopped when it first reaches 1/α, is an e-value: e-BH over a table of them bounds the share of
-wrong decisions in the table (`ebh`).
+The wealth at θ at a cell's last sample is an e-value (the job stopped at a stopping time): e-BH over a table of
+them bounds the share of wrong decisions in the table (`ebh`).
 
 The stakes. The wealth is a mix (any mix of test martingales is one): a share WEIGHT is bet with the empirical
 Kelly stake at θ (the paper's GRAPA): stake t is the fraction in [0, c/width] that would have grown the wealth most
@@ -53,8 +53,9 @@ class Sequence:
     """The betting confidence sequence of x_1..x_n at its last sample.
 
     low, high: the one-sided (1 − α) bounds (running intersections); e_up, e_down: the e-values at the threshold
-    (the upward and downward wealth, stopped when they first reach 1/α); up_at, down_at: the sample (1-based) at
-    which that happened, 0 if never; more: about how many more samples like these the open side needs to decide
+    (the upward and downward wealth at the last sample: the samples stopped at a stopping time, so each is an
+    e-value by optional stopping); up_at, down_at: the sample (1-based) at which that wealth first reached 1/α, 0 if
+    never; more: about how many more samples like these the open side needs to decide
     (inf where no stake grows at these samples' mean, 0 when decided)."""
 
     low: float
@@ -155,8 +156,7 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA) ->
     wealth_up = _log_wealth(x, at, up, plug_in, at - lo, +1)[0]
     wealth_down = _log_wealth(x, at, down, plug_in, hi - at, -1)[0]
     up_at, down_at = _first(wealth_up >= level), _first(wealth_down >= level)
-    e_up = math.exp(wealth_up[up_at - 1] if up_at else wealth_up[-1])
-    e_down = math.exp(wealth_down[down_at - 1] if down_at else wealth_down[-1])
+    e_up, e_down = math.exp(wealth_up[-1]), math.exp(wealth_down[-1])
     if up_at or down_at:
         more = 0.0
     else:  # the side the samples lean to, at its best constant stake

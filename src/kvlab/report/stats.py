@@ -65,8 +65,8 @@ class Bounds:
     sd: float
     min_n: int = 0  # fewer samples than this decide nothing (mean_bounds)
     more: float | None = None  # drop_bounds: about how many more samples like these would decide it (kvlab.anytime)
-    e_safe: float = float("nan")  # drop_bounds: the e-values of the tests at the threshold (safe, unsafe), stopped
-    e_unsafe: float = float("nan")  # when they decided
+    e_safe: float = float("nan")  # drop_bounds: the e-values of the tests at the threshold (safe, unsafe), at the
+    e_unsafe: float = float("nan")  # last sample
     decided_at: int = 0  # drop_bounds: the sample (1-based, in draw order) at which the decision was reached, 0 if open
 
     def decide(self, threshold: float) -> str:

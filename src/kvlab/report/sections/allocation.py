@@ -7,7 +7,7 @@ import pandas as pd
 
 from kvlab.anytime import ALPHA, ebh
 from kvlab.report.decision import Rule, cells, why_open
-from kvlab.report.html import esc, svg, table
+from kvlab.report.html import svg, table
 
 TITLE = "Where the answers went: decisions and the samples they took"
 QUERIES = ("answers",)
@@ -80,7 +80,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + svg(chart(c)) + table(spent(c))
         + "<h3>Every scored cell</h3><p class='note'>samples: distinct prompts (a sample's turns averaged); max samples: "
         "what its jobs could reach; decided at sample: the sample (in draw order) at which its bound first decided it, "
-        "and the evaluation round that sample ran in; e_safe, e_unsafe: the e-values of its two tests, stopped when "
-        f"they decided (a decision needs {1 / ALPHA:g}); why open: {esc('reached max_samples, or about how many more samples like its own would decide it')}.</p>"
+        "and the evaluation round that sample ran in; e_safe, e_unsafe: the e-values of its two tests at its last "
+        f"sample (a decision needed {1 / ALPHA:g} at some sample); why open: it reached max_samples, or about how many more "
+        "samples like its own would decide it.</p>"
         + table(per_cell(c))
     )

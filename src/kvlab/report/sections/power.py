@@ -58,7 +58,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     need = need[need < float("inf")]
     needed = (f"If their samples went on alike, the cells would need {need.min():,.0f} to {need.max():,.0f} samples "
               f"(median {need.median():,.0f}) for the decision's bound to settle the article's {POINTS:g}-point "
-              f"statement (claim C5, INT4 within {POINTS:g} point) either way (a cell that loses no answer: 315); this run has {t.loc[need.index, 'samples'].min():,} to "
+              f"statement (claim C5, INT4 within {POINTS:g} point) either way (a cell that loses no answer: 315); this "
+              f"run has {t.loc[need.index, 'samples'].min():,} to "
               f"{t.loc[need.index, 'samples'].max():,} per cell (cells the rule judges).") if len(need) else (
         "No cell the rule judges has answers to score.")
     flag = (f"<b>{repeats} cell(s) repeat a prompt</b>: their samples are not all independent, and n overstates "
