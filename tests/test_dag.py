@@ -20,6 +20,8 @@ from kvlab.compare_runs import compare
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.kernels.block_sparse import read_tokens
 from kvlab.methods import evicts, kind_of
+from kvlab.sequential import planned
+from kvlab.tasks import samples_at
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +33,13 @@ def smoke_config():
     return resolve({**config, "preset": "smoke"}, ROOT / "workflow" / "config.schema.yaml")
 
 
-def expected_samples(spec: dict) -> int:
-    """Samples over every context length: per grid point, `samples` at each length (one number, or one per length)."""
+def expected_samples(spec: dict, max_samples: int) -> int:
+    """Samples over every context length: per grid point, `samples` at each length (one number, or one per length),
+    then rounds up to max_samples (kvlab.sequential.planned). The random tiny model decides no cell in 3 samples (a
+    cell that loses every answer needs 6), so every job runs to its last round."""
     points = spec.get("depths") or spec.get("from_end_tokens") or [None]
     per_length = spec["samples"] if isinstance(spec["samples"], list) else [spec["samples"]] * len(spec["context_tokens"])
-    return len(points) * sum(per_length)
+    return sum(planned(spec, len(points) * n, max_samples) for n in per_length)
 
 
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
@@ -52,7 +56,15 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
         per_variant = turns + 1 + (turns - 1)  # agnostic: every turn; aware: turn 1; multi_turn: the later turns
         here = sum(n for name, n in per_method.items() if task in config["methods"][name].get("tasks", [task]))
         rows = con.execute("SELECT count(*), count(DISTINCT sample_id) FROM eval WHERE task = ?", [task]).fetchone()
-        assert rows == (expected_samples(spec) * here * per_variant, expected_samples(spec)), task
+        n = expected_samples(spec, config["sequential"]["max_samples"])
+        assert rows == (n * here * per_variant, n), task
+        for ctx in spec["context_tokens"]:  # each job ran to its cap: its first samples, then rounds of one prompt
+            first = expected_samples({**spec, "context_tokens": [ctx], "samples": samples_at(spec, ctx)}, 0)
+            cap = expected_samples({**spec, "context_tokens": [ctx], "samples": samples_at(spec, ctx)},
+                                   config["sequential"]["max_samples"])
+            got = con.execute("SELECT max(round), count(DISTINCT draw), max(draw), min(max_samples), max(max_samples) "
+                              "FROM eval WHERE task = ? AND context_tokens = ?", [task, ctx]).fetchone()
+            assert got == (1 + cap - first, cap, cap - 1, cap, cap), (task, ctx)
         modes = {m for (m,) in con.execute("SELECT DISTINCT question_mode FROM eval WHERE task = ?", [task]).fetchall()}
         assert modes == ({"agnostic", "aware", "multi_turn"} if turns > 1 else {"agnostic", "aware"}), task
     cols = {r[0] for r in con.execute("DESCRIBE eval").fetchall()}
