@@ -67,8 +67,11 @@ def run_params(task=None):
         run["dtype_floor_samples"] = floor["samples"]
     if task is not None:  # the job's rounds (kvlab.sequential), decided at the report's tolerance
         seq = config["sequential"]
-        run["sequential"] = {"max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
-                             "round": seq["round"], "tolerance_points": config["decision"]["tolerance_points"]}
+        run["sequential"] = {
+            "max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
+            "round": seq["round"],
+            "tolerance_points": config["decision"]["tolerance_points"],
+        }
     return {"methods": methods_for(task), **run}
 
 

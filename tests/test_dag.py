@@ -139,11 +139,13 @@ def test_report_written_from_the_run(smoke_run):
 
 
 def test_evaluate_logs_show_progress_per_sample(smoke_run):
-    """Each evaluate job logs a line per batch of samples: samples done of all, rows, rows per second, time left."""
+    """Each evaluate job logs a line per batch of samples (samples done of the most it may reach, rows, rows per
+    second, time left at most) and one per round (variants and cells still open)."""
     log = (smoke_run / "logs" / "evaluate" / "tiny-qwen2" / "niah_single" / "512.log").read_text()
-    lines = re.findall(r"sample (\d+)/(\d+): (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, ~\d+ s left", log)
+    lines = re.findall(r"sample (\d+)/(\d+): (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, ~\d+ s left at most", log)
     done = [(int(a), int(b)) for a, b, _ in lines]
-    assert done and done[-1] == (2, 2) and all(a < b for (a, _), (b, _) in zip(done, done[1:]))
+    assert done and done[-1] == (3, 3) and all(a < b for (a, _), (b, _) in zip(done, done[1:]))
+    assert re.search(r"round 1 done \(2 samples\): \d+ of \d+ variants have an open cell \(\d+ cells open\)", log)
     assert int(lines[-1][2]) > 0
 
 

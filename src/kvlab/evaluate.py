@@ -51,9 +51,11 @@ def samples_at_once(context_tokens: int) -> int:
 
 
 def progress(done: int, total: int, rows: int, elapsed: float) -> str:
-    """One progress line for the job's log: samples done (of the most it may reach), rows, rows per second and
-    elapsed time."""
-    return f"sample {done}/{total}: {rows} rows, {rows / elapsed:.2f} rows/s, {elapsed:.0f} s elapsed"
+    """One progress line for the job's log: samples done (of the most it may reach), rows, rows per second and time
+    left at most (the rest of the samples at the pace so far; rounds that stop decided cells go faster)."""
+    left = elapsed / done * (total - done)
+    return (f"sample {done}/{total}: {rows} rows, {rows / elapsed:.2f} rows/s, {elapsed:.0f} s elapsed, "
+            f"~{left:.0f} s left at most")
 
 
 def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
