@@ -346,3 +346,37 @@ def test_snakemake_refuses_a_configfile_it_would_misread(tmp_path, text, message
     )
     assert proc.returncode != 0
     assert message.format(f=tmp_path / "over.yaml") in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("text,what", [("", "empty"), ("# nothing but a comment\n", "empty"), ("- models\n- tasks\n", "a list"),
+                                       ("just words\n", "the single value 'just words'")])
+def test_a_config_that_is_not_a_mapping_gets_one_line(tmp_path, text, what):
+    from kvlab.config import check_config_files
+
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        check_config_files(path)
+    assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}: the config is {what}; it must be a mapping")
+
+
+def test_an_empty_config_stops_snakemake_with_kvlab_s_line(tmp_path):
+    """Run as a user would: Snakemake stops before any job with kvlab's line, not its own parse error."""
+    from conftest import snakemake, workflow_copy
+
+    work = workflow_copy(tmp_path / "w")
+    (work / "config.yaml").write_text("")
+    proc = snakemake(work, "-n", "results/report.html")
+    assert proc.returncode != 0 and "the config is empty; it must be a mapping" in proc.stderr + proc.stdout
+
+
+def test_device_cuda_without_a_gpu_is_refused_by_validation(config):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    config["device"] = "cuda"
+    with pytest.raises(ConfigError, match=r"preset 'default': key 'device': 'cuda', but torch sees no CUDA device.*device: cpu"):
+        resolve(config, SCHEMA)
+    assert resolve({**config, "device": "cpu"}, SCHEMA)["device"] == "cpu"  # preset full's device: cuda is not checked
+

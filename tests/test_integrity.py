@@ -91,3 +91,23 @@ def test_truncated_parquet_is_named(tmp_path):
         text = str(info.value)
         assert "\n" not in text and text.startswith(f"{bad}: not a readable Parquet file")
         assert "delete it and rerun the rule that writes it" in text
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "tokenizer.json"])
+def test_truncated_json_files_are_named(model_dir, name):
+    """A truncated config or tokenizer file is refused with the weights, in one line naming it and the fix (before
+    transformers would fail on it with an error that names no fix)."""
+    path = model_dir / name
+    if not path.is_file():
+        pytest.skip(f"the tiny model has no {name}")
+    path.write_text(path.read_text()[: len(path.read_text()) // 2])
+    with pytest.raises(ModelIntegrityError) as info:
+        verify_weights(model_dir)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(f"{path}: not valid JSON") and "snakemake --forcerun acquire_model" in text
+
+
+def test_missing_config_json_is_named(model_dir):
+    (model_dir / "config.json").unlink()
+    with pytest.raises(ModelIntegrityError, match=r"config\.json: missing; re-acquire it"):
+        verify_weights(model_dir)

@@ -43,6 +43,11 @@ def check_yaml(path: str | Path, overlay: bool = False) -> None:
         raise ConfigError(f"{where}: YAML syntax error: {problem}; fix the file there") from None
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML: {' '.join(str(error).split())}") from None
+    if not overlay and not isinstance(root, yaml.MappingNode):
+        what = ("empty" if root is None else "a list" if isinstance(root, yaml.SequenceNode)
+                else f"the single value {root.value!r}")
+        raise ConfigError(f"{path}: the config is {what}; it must be a mapping of keys (models, tasks, methods, ...) as in "
+                          "the config.yaml kvlab ships (git checkout config.yaml restores it)")
     stack = [((), root)] if root is not None else []
     while stack:
         keys, node = stack.pop()
@@ -95,7 +100,18 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
         if pname == name:
             resolved = candidate
     resolved["presets"] = presets
+    _check_device(resolved, where=f"preset '{name}'")
     return resolved
+
+
+def _check_device(config: dict, where: str) -> None:
+    """`device: cuda` needs a CUDA device torch can see (checked for the selected preset only: `full` asks for one)."""
+    if config["device"] == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{where}: key 'device': 'cuda', but torch sees no CUDA device on this machine; set "
+                              "device: cpu (--config device=cpu), or run where a GPU is")
 
 
 DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "tasks": ("task", "kind")}

@@ -77,10 +77,31 @@ def expected_digests(card: dict) -> dict[str, str] | None:
     return None
 
 
+JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_json_files(model_dir: Path) -> None:
+    """Refuse, naming the file, a model folder's JSON file (config, tokenizer) that does not parse: a truncated copy
+    would otherwise fail inside transformers with an error that names no fix."""
+    for name in JSON_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            if name == "config.json":
+                raise ModelIntegrityError(f"{path}: missing; {_fix(model_dir)}")
+            continue
+        try:
+            json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ModelIntegrityError(f"{path}: not valid JSON ({' '.join(str(exc).split())}: truncated or damaged); "
+                                      f"{_fix(model_dir)}") from None
+
+
 def verify_weights(model_dir: str | Path) -> None:
-    """Refuse (one line: the file and the fix) weight files that are missing, extra or differ from the card."""
+    """Refuse (one line: the file and the fix) a model folder whose JSON files do not parse, or whose weight files
+    are missing, extra or differ from the card."""
     model_dir = Path(model_dir)
     card = read_card(model_dir)
+    check_json_files(model_dir)
     expected = expected_digests(card)
     if expected is None:
         for path in sorted(model_dir.glob(WEIGHT_GLOB)):
