@@ -492,30 +492,31 @@ def test_context_length_section_draws_shapes_measured_at_several_lengths():
 
 def test_two_bit_ablation_gives_a_paired_drop_interval():
     """The 2-bit ablation's accuracy change is the paired drop against the full cache on the same answers, with the
-    decision table's bootstrap bounds over samples: on 20 samples, keys per channel lose 1 answer and keys per token
-    12, on the task all four layouts ran on (a task only one ran on is left out, as the pooled accuracy leaves it)."""
+    decision table's bounds over samples: on 60 samples, keys per channel lose 3 answers and keys per token
+    36, on the task all four layouts ran on (a task only one ran on is left out, as the pooled accuracy leaves it)."""
     import numpy as np
 
     from kvlab.report.sections.quant import ablation_table
     from kvlab.report.stats import drop_bounds
 
-    layouts = {"kivi2": ("channel", "token", 1), "kivi2_key_token": ("token", "token", 12)}
+    rank = np.random.default_rng(0).permutation(60)  # lost answers spread over the samples, as draws would spread them
+    layouts = {"kivi2": ("channel", "token", 3), "kivi2_key_token": ("token", "token", 36)}
     base = {"model": "m", "scheme": "kivi", "bits": 2, "policy": "kivi", "budget": 1.0}
     kl = pd.DataFrame([{**base, "method": m, "key_axis": k, "value_axis": v, "context_tokens": 512, "kl_mean_nats": 0.1}
                        for m, (k, v, _) in layouts.items()])
     answers = pd.DataFrame([{**base, "method": m, "key_axis": k, "value_axis": v, "task": "needle", "sample_id": f"s{i}",
-                             "score": float(i >= lost), "full_score": 1.0, "kl_vs_full": None}
-                            for m, (k, v, lost) in layouts.items() for i in range(20)]
+                             "score": float(rank[i] >= lost), "full_score": 1.0, "kl_vs_full": None}
+                            for m, (k, v, lost) in layouts.items() for i in range(60)]
                            + [{**base, "method": "kivi2", "key_axis": "channel", "value_axis": "token", "task": "other",
                                "sample_id": "o1", "score": 0.0, "full_score": 1.0, "kl_vs_full": None}])
     by_task = (answers.groupby(["model", "method", "scheme", "bits", "key_axis", "value_axis", "policy", "budget", "task"])
                .agg(correct=("score", "sum"), full_correct=("full_score", "sum"), rows=("score", "size")).reset_index())
     table = ablation_table(kl, by_task, answers, 5).set_index("keys per")
-    for axis, lost in (("channel", 1), ("token", 12)):
-        kept = [float(int(i[1:]) >= lost) for i in sorted(f"s{i}" for i in range(20))]  # in per_sample's order
-        b = drop_bounds(np.ones(20), np.array(kept), 5)
+    for axis, lost in (("channel", 3), ("token", 36)):
+        kept = [float(rank[int(i[1:])] >= lost) for i in sorted(f"s{i}" for i in range(60))]  # in per_sample's order
+        b = drop_bounds(np.ones(60), np.array(kept), 5)
         row = table.loc[axis]
-        assert row["drop_points"] == pytest.approx(100 * lost / 20) and row["samples"] == 20 and row["tasks"] == "needle"
+        assert row["drop_points"] == pytest.approx(100 * lost / 60) and row["samples"] == 60 and row["tasks"] == "needle"
         assert (row["drop_low"], row["drop_high"]) == pytest.approx((b.low, b.high))
         assert row["drop_low"] < row["drop_points"] < row["drop_high"]
-    assert table.loc["token", "drop_low"] > table.loc["channel", "drop_high"]  # 12 of 20 lost is told from 1 of 20
+    assert table.loc["token", "drop_low"] > table.loc["channel", "drop_high"]  # 36 of 60 lost is told from 3 of 60
