@@ -35,6 +35,7 @@ if workflow.exec_mode.name == "DEFAULT":
 
 
 onstart:
+    check_local_device()
     record_owner()
 
 

@@ -4,7 +4,7 @@ import re
 
 from snakemake.exceptions import WorkflowError
 
-from kvlab.config import CALIBRATION_TABLES, ConfigError, resolve
+from kvlab.config import CALIBRATION_TABLES, ConfigError, check_device, resolve
 from kvlab.methods import runs_on, uses_calibration
 from kvlab.runstate import drop_orphans, say
 
@@ -73,6 +73,16 @@ def run_params(task=None):
             "tolerance_points": config["decision"]["tolerance_points"],
         }
     return {"methods": methods_for(task), **run}
+
+
+def check_local_device():
+    """Before the first job of a run whose jobs run here (onstart: not a dry run; a cluster submission's jobs run on
+    its GPU nodes): device cuda needs a GPU on this machine."""
+    if workflow.local_exec:
+        try:
+            check_device(config)
+        except ConfigError as error:
+            raise WorkflowError(f"kvlab {error}") from None
 
 
 def model_dirs():

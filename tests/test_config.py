@@ -370,13 +370,18 @@ def test_an_empty_config_stops_snakemake_with_kvlab_s_line(tmp_path):
     assert proc.returncode != 0 and "the config is empty; it must be a mapping" in proc.stderr + proc.stdout
 
 
-def test_device_cuda_without_a_gpu_is_refused_by_validation(config):
+def test_device_cuda_without_a_gpu_stops_a_local_run_before_any_job(tmp_path):
+    """A local run with device: cuda on a machine without one stops with kvlab's line and runs nothing; a dry run
+    (planning a cluster submission from a login node) still plans."""
     import torch
+
+    from conftest import snakemake, workflow_copy
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    config["device"] = "cuda"
-    with pytest.raises(ConfigError, match=r"preset 'default': key 'device': 'cuda', but torch sees no CUDA device.*device: cpu"):
-        resolve(config, SCHEMA)
-    assert resolve({**config, "device": "cpu"}, SCHEMA)["device"] == "cpu"  # preset full's device: cuda is not checked
-
+    work = workflow_copy(tmp_path / "w")
+    proc = snakemake(work, "results/report.html", "--config", "preset=smoke", "device=cuda")
+    out = proc.stderr + proc.stdout
+    assert proc.returncode != 0 and "key 'device': 'cuda', but torch sees no CUDA device" in out and "device: cpu" in out
+    assert not (work / "results").exists() and not (work / "resources").exists()
+    assert snakemake(work, "-n", "results/report.html", "--config", "preset=smoke", "device=cuda").returncode == 0

@@ -100,18 +100,19 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
         if pname == name:
             resolved = candidate
     resolved["presets"] = presets
-    _check_device(resolved, where=f"preset '{name}'")
     return resolved
 
 
-def _check_device(config: dict, where: str) -> None:
-    """`device: cuda` needs a CUDA device torch can see (checked for the selected preset only: `full` asks for one)."""
+def check_device(config: dict) -> None:
+    """`device: cuda` needs a CUDA device torch can see on a machine that runs the jobs itself (rules/common.smk
+    calls this for a local run, not for a dry run or a cluster submission, whose jobs run on GPU nodes)."""
     if config["device"] == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError(f"{where}: key 'device': 'cuda', but torch sees no CUDA device on this machine; set "
-                              "device: cpu (--config device=cpu), or run where a GPU is")
+            raise ConfigError(f"preset '{config['preset']}': key 'device': 'cuda', but torch sees no CUDA device on this "
+                              "machine; set device: cpu (--config device=cpu), or run where a GPU is (or submit with "
+                              "--profile profiles/slurm)")
 
 
 DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "tasks": ("task", "kind")}
