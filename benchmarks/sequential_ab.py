@@ -2,10 +2,14 @@
 
 Round 1 of every evaluation job is the fixed-n grid itself: every variant, every question mode, the task's
 `samples`, in the same batches (kvlab.evaluate). So one finished run gives both sides on the same machine, in one
-run: fixed-n = the rows and wall seconds of round 1, adaptive = every round. Cells are the decision table's
+run: fixed-n = the rows and wall seconds of round 1, adaptive = every round; a third row projects the cost of a
+fixed grid sized to decide a lossless cell (every variant on max_samples prompts). Cells are the decision table's
 (kvlab.report.decision.cells over the `answers` query); CPU-hours are the rounds' wall seconds × the job's threads.
 
-    python benchmarks/sequential_ab.py [results/kvlab.duckdb] [threads]   ->  results/benchmarks/sequential_ab.tsv
+    python benchmarks/sequential_ab.py [results/kvlab.duckdb | 'results/eval/*/*/*.parquet'] [threads]
+        ->  results/benchmarks/sequential_ab.tsv
+
+A glob of eval files (the jobs a run has finished so far) works as well as the collected database.
 """
 
 from __future__ import annotations
@@ -31,13 +35,25 @@ def side(answers: pd.DataFrame, seconds: float, threads: int, name: str, rule: R
 
 
 def main(db: str = "results/kvlab.duckdb", threads: int = 2) -> pd.DataFrame:
-    con = duckdb.connect(db, read_only=True)
+    if db.endswith(".duckdb"):
+        con = duckdb.connect(db, read_only=True)
+    else:  # eval files: the view collect would build, over the jobs finished so far
+        con = duckdb.connect()
+        con.execute(f"CREATE VIEW eval AS SELECT * FROM read_parquet('{db}', union_by_name = true)")
     answers = con.sql(load_queries()["answers"]).df()
-    rounds = con.sql("SELECT DISTINCT model, task, context_tokens, round, round_s FROM eval").df()
+    rounds = con.sql("SELECT model, task, context_tokens, round, max(round_s) AS round_s FROM eval "
+                     "GROUP BY ALL").df()  # one wall time per round of each job
     rule = Rule()  # the default decision rule: 5 points
     first = rounds[rounds["round"] == 1]["round_s"].sum()
+    # a fixed grid large enough to decide a lossless cell runs every variant on max_samples prompts: round 1's
+    # seconds per prompt × max_samples per job (projected, not run); its decisions taken as every round's
+    per_job = con.sql("SELECT model, task, context_tokens, max(max_samples) AS cap, count(DISTINCT draw) FILTER "
+                      "(WHERE round = 1) AS first FROM eval GROUP BY ALL").df()
+    sized = per_job.merge(rounds[rounds["round"] == 1], on=["model", "task", "context_tokens"])
+    projected = float((sized["round_s"] / sized["first"] * sized["cap"]).sum())
     out = pd.DataFrame([side(answers[answers["round"] == 1], first, threads, "fixed n (round 1 only)", rule),
-                        side(answers, rounds["round_s"].sum(), threads, "adaptive (every round)", rule)])
+                        side(answers, rounds["round_s"].sum(), threads, "adaptive (every round)", rule),
+                        side(answers, projected, threads, "fixed n = max_samples (projected cost)", rule)])
     out["gain_decided_per_cpu_hour"] = out["decided_per_cpu_hour"] / out["decided_per_cpu_hour"].iloc[0]
     path = Path("results/benchmarks/sequential_ab.tsv")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -111,3 +111,8 @@ def test_only_the_open_modes_are_compressed_and_decoded(tiny):
     keys = ["sample_id", "method", "question_mode", "turn"]
     both = some.merge(every, on=keys, suffixes=("", "_all"))
     assert len(both) == len(some) and (both["prediction"] == both["prediction_all"]).all()
+
+
+def test_rows_of_a_round_share_its_seconds(tmp_path, tiny_dir):
+    rows = job(tmp_path, "a", tiny_dir, max_samples=8, tolerance=60)
+    assert (rows.groupby("round")["round_s"].nunique() == 1).all() and (rows["round_s"] > 0).all()

@@ -126,8 +126,9 @@ def run_job(
                 bar.update(len(chunk))
                 bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
                 log.info("%s", progress(start + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
+            seconds = time.perf_counter() - t_round
             for r in rows[before:]:
-                r["round_s"] = time.perf_counter() - t_round  # the round's wall seconds (its rows share them)
+                r["round_s"] = seconds  # the round's wall seconds (its rows share them)
             done = end
             if done < len(samples):
                 still = open_cells(pd.DataFrame(rows), plan["tolerance_points"])
