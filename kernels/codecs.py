@@ -45,6 +45,11 @@ class Codec:
         """Bytes the codec stores once per layer, beside its per-token codes."""
         return 0
 
+    def saturated(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Entries of x (B, H, n, D), just encoded, that the format clamped, per batch row (B,) int64 on x's device
+        (no read back); None for a codec whose range covers every finite input (affine min-max, grids)."""
+        return None
+
 
 @dataclass
 class AffineCodec(Codec):
@@ -116,6 +121,15 @@ class FP8Codec(Codec):
     def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
         scale = self._row_scales(torch.empty(shape, device=s["codes"].device, dtype=torch.float32))
         return ops(s["codes"]).fp8_dequantize(s["codes"].reshape(-1, shape[-1]), scale).view(shape)
+
+    def saturated(self, x: torch.Tensor) -> torch.Tensor:
+        """Entries E4M3 clamped: |x / scale| beyond 464, half a step (32) above its largest value 448, where a format
+        with one more exponent would have rounded to 480 and E4M3 stores ±448 × scale instead, so their error is the
+        clamp, not rounding (up to 464 rounding alone gives 448, as for the peak a dynamic scale is set from). With a
+        dynamic scale set from the prefill's peak only later tokens can exceed it; static (calibrated) scales clamp
+        whatever exceeds the calibration's peak."""
+        scale = self.head_scales(x.shape[1], x.device).view(1, -1, 1, 1)
+        return ((x.float() / scale).abs() > quant.FP8_MAX + 16).sum(dim=(1, 2, 3))
 
     def constant_bytes(self) -> int:
         """The dynamic per-tensor scale is part of the cache; static scales are calibration constants."""

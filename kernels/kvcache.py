@@ -97,6 +97,9 @@ class QuantizedKVLayer(KVLayer):
         self.sink_keys = self.sink_values = None
         self.stored: dict[str, dict[str, torch.Tensor]] = {"key": {}, "value": {}}
         self.coded_keys = self.coded_values = 0  # tokens of each tensor in codes (the first ones after the sinks)
+        # entries its codec clamped, per part and batch row ((B,) int64 on the device; a codec with no clamp: none).
+        # Replaced, never written in place, so forks and stacked copies count on their own.
+        self.saturated: dict[str, torch.Tensor] = {}
         # () float32 on the device: the sum of the one-token appends since the last read, NaN/Inf iff they held one
         self._unread_nonfinite: torch.Tensor | None = None
         self.cumulative_length = 0
@@ -243,6 +246,9 @@ class QuantizedKVLayer(KVLayer):
             x = getattr(self, attr)
             block = codec.encode(x[..., :n, :], cos, sin)
             self.stored[name] = {k: _cat(self.stored[name].get(k), t) for k, t in block.items()}
+            clamped = codec.saturated(x[..., :n, :])
+            if clamped is not None:
+                self.saturated = {**self.saturated, name: clamped + self.saturated.get(name, 0)}
             setattr(self, attr, x[..., n:, :])
             setattr(self, f"coded_{attr}", done + n)
 
@@ -254,6 +260,14 @@ class QuantizedKVLayer(KVLayer):
         codes = sum(_nbytes(*d.values()) for d in self.stored.values())
         constant = sum(c.constant_bytes() for c in (self.spec.key, self.spec.value))
         return _nbytes(self.sink_keys, self.sink_values, self.keys, self.values) + codes + constant
+
+    def saturated_share(self, part: str) -> tuple[int, int] | None:
+        """(entries clamped, entries in codes) of `part` (key, value) over all batch rows (one read back); None for a
+        codec that clamps nothing."""
+        if part not in self.saturated:
+            return None
+        coded = self.coded_keys if part == "key" else self.coded_values
+        return int(self.saturated[part].sum()), coded * self.keys.shape[0] * self.keys.shape[1] * self.keys.shape[-1]
 
     def counts(self) -> dict[str, int]:
         """Tokens held per storage class (for the byte-accounting formula)."""
@@ -285,6 +299,7 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
     out.stored = {part: {k: torch.cat([x.stored[part][k] for x in layers]) for k in first.stored[part]} for part in first.stored}
     flags = [x._unread_nonfinite for x in layers if x._unread_nonfinite is not None]
     out._unread_nonfinite = torch.stack(flags).sum() if flags else None
+    out.saturated = {part: torch.cat([x.saturated[part] for x in layers]) for part in first.saturated}
     return out
 
 
@@ -297,6 +312,7 @@ def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
         if getattr(layer, name) is not None:
             setattr(out, name, getattr(layer, name).index_select(0, index))
     out.stored = {part: {k: t.index_select(0, index) for k, t in d.items()} for part, d in layer.stored.items()}
+    out.saturated = {part: t.index_select(0, index) for part, t in layer.saturated.items()}
     return out
 
 

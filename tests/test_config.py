@@ -148,6 +148,9 @@ BAD = [
      "multiple of group 32, got 48 (or set policy: together)"),
     (("methods", "int8", "policy"), "together",
      "preset 'default': key 'methods.int8.policy': policy applies to scheme kivi only; scheme int8 quantizes by its own fixed rule: remove policy"),
+    (("methods", "int8", "max_saturated"), 0.01,
+     "preset 'default': key 'methods.int8.max_saturated': max_saturated applies to scheme fp8 only (scheme int8's min-max "
+     "or grid range clamps nothing): remove it"),
     (("methods", "kivi2", "policy"), "fifo", "config: key 'methods.kivi2.policy': 'fifo' is not allowed; allowed: kivi, together"),
     (("methods", "kivi2", "tasks"), ["niah"], "preset 'default': key 'methods.kivi2.tasks': no task 'niah'; configured tasks: niah_single"),
     (("methods", "full", "tasks"), ["prose_kl"], "key 'methods.full.tasks': the full reference runs on every task; remove it"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -350,6 +352,57 @@ def test_fp8_dynamic_scale_floor_keeps_later_tokens_when_no_read_could_check():
     x = torch.full((1, H, 1, D), quant.FP8_MIN_PEAK / 2)
     back = codec.decode(codec.encode(x), x.shape)
     assert torch.allclose(back, x, rtol=2**-4)
+
+
+def test_fp8_counts_the_entries_it_clamps_per_row_through_forks_stacks_and_row_selection():
+    """The probe's silent case: a constant 1e4 under scale 1 came back as 448 (relative error 0.96) and no row said
+    so. Entries beyond half a step above ±448 × scale are counted per tensor and batch row; entries that round to
+    448 anyway are not."""
+    spec = kvcache.LayerSpec(codecs.FP8Codec(torch.ones(H)), codecs.FP8Codec(torch.ones(H)), 1, 0)
+    keys, values = torch.full((1, H, 4, D), 100.0), torch.full((1, H, 4, D), 100.0)
+    keys[0, 0, 1, :3] = 1e4  # 3 clamped keys
+    values[0, 1, 2, 5] = -470.0  # 1 clamped value: past 464, E4M3 without a clamp would round it to -480
+    values[0, 1, 3, 6] = 460.0  # rounds to 448 with or without the clamp: not counted
+    layer = kvcache.QuantizedKVLayer(spec)
+    layer.update(keys, values)
+    assert layer.saturated_share("key") == (3, 4 * H * D) and layer.saturated_share("value") == (1, 4 * H * D)
+    assert layer.full()[0][0, 0, 1, 0].item() == 448.0  # what the count reports: the clamp
+    fork = layer.fork()
+    fork.append(torch.full((1, H, 1, D), 1e4), torch.zeros(1, H, 1, D))  # a decoded token: every key entry clamps
+    assert fork.saturated_share("key") == (3 + H * D, 5 * H * D) and layer.saturated_share("key") == (3, 4 * H * D)
+    clean = kvcache.QuantizedKVLayer(spec)
+    clean.update(torch.ones(1, H, 4, D), torch.ones(1, H, 4, D))
+    both = kvcache.stack_layers([clean, layer])
+    assert both.saturated_share("key") == (3, 2 * 4 * H * D)
+    assert kvcache.select_rows(both, [1]).saturated_share("key") == (3, 4 * H * D)
+    assert kvcache.select_rows(both, [0]).saturated_share("value") == (0, 4 * H * D)
+    affine = kvcache.QuantizedKVLayer(SPECS["int8"]())
+    affine.update(keys, values)
+    assert affine.saturated_share("key") is None  # min-max codes cover every finite input
+
+
+def test_fp8_saturation_reaches_the_rows_and_max_saturated_refuses_past_it(tiny, sample, monkeypatch):
+    """The engine's rows carry the shares; an entry's max_saturated stops with one line naming the method. Static
+    scales of 1e-4 make the tiny model's keys and values exceed ±448 × scale wherever |x| > 0.0448."""
+    from kvlab.methods.schemes.fp8 import FP8
+
+    model, tokenizer = tiny
+    base = prefill(model, sample.prompt.context)
+
+    def stats(name: str, **params):
+        variant = Variant(name, "quant", 1.0, {k: v for k, v in qspec(**params).items() if k != "kind"})
+        return cache_stats(compress(model, base, variant), variant, base.length)
+
+    dynamic = stats("fp8", scheme="fp8")
+    assert dynamic["kv_saturated_keys"] == 0 == dynamic["kv_saturated_values"]  # its scale: the prefill's peak
+    assert math.isnan(stats("kivi4", scheme="kivi")["kv_saturated_keys"])  # min-max codes clamp nothing
+    monkeypatch.setattr(FP8, "layer_spec", lambda self, layer, heads, head_dim: kvcache.LayerSpec(
+        codecs.FP8Codec(torch.full((heads,), 1e-4)), codecs.FP8Codec(torch.full((heads,), 1e-4)), 1, 0))
+    clamped = stats("fp8_tiny_scales", scheme="fp8")
+    assert 0.5 < clamped["kv_saturated_keys"] <= 1 and 0.5 < clamped["kv_saturated_values"] <= 1
+    with pytest.raises(ValueError, match=r"^method fp8_strict: \d+\.\d+% of the context's quantized keys saturated at "
+                                         r"±448 × scale \(max_saturated 1\.000%\); calibrate the scales"):
+        stats("fp8_strict", scheme="fp8", max_saturated=0.01)
 
 
 @pytest.mark.parametrize("name", ["kivi4", "kivi4_together", "int8"])

@@ -84,6 +84,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     entries counted at 2 bytes per element, so the ratio does not depend on the run's compute dtype)."""
     nbytes = formula = stored_bf16 = reference_bf16 = code_bytes = code_tokens_bf16 = 0
     tokens, kept, reads, context_heads = [], [], [], 0
+    clamped = {"key": [0, 0], "value": [0, 0]}  # entries clamped, entries in codes (codecs that clamp only)
     for layer in cache.layers:
         held = held_tokens(layer)
         tokens.append(held)
@@ -101,6 +102,10 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         reference_bf16 += (held if layer.is_sliding else context) * token_bf16
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
         if isinstance(layer, kvcache.QuantizedKVLayer):
+            for part, count in clamped.items():
+                share = layer.saturated_share(part)
+                if share is not None:
+                    count[0], count[1] = count[0] + share[0], count[1] + share[1]
             n = layer.counts()
             key, value = variant.impl.layouts(d)
             coded = n["quantized_keys"], n["quantized_values"]
@@ -117,7 +122,7 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
             formula += measured
             shared = isinstance(layer, KVLayer) and layer.shares is not None  # stores nothing: counted at its source
             stored_bf16 += 0 if shared else dense * 2
-    return {
+    stats = {
         "kv_bytes": int(nbytes), "kv_tokens_mean": float(sum(tokens) / len(tokens)), "kv_bytes_formula": formula,
         # tokens each (layer, KV head) attends to: below kv_tokens_mean only for presses that mask without freeing
         "kv_kept_heads": kept, "kv_kept_mean": float(sum(kept) / len(kept)), "kv_kept_min": int(min(kept)),
@@ -127,4 +132,9 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         "compression_vs_bf16": reference_bf16 / stored_bf16,
         # the quantized tokens alone: bf16 bytes / their codes and metadata (the steady-state ratio)
         "codes_vs_bf16": code_tokens_bf16 / code_bytes if code_bytes else float("nan"),
+        # share of the context's coded key / value entries the format clamped (FP8: |x / scale| > 464, stored as
+        # ±448); NaN for formats that clamp nothing
+        **{f"kv_saturated_{part}s": c / n if n else float("nan") for part, (c, n) in clamped.items()},
     }
+    variant.impl.check_cache(stats, variant.method)
+    return stats

@@ -5,7 +5,8 @@
 - whether it evicts (then it runs at every budget) and whether it reads the model's calibration;
 - what it does to a copy of the prefilled cache after any press has evicted (:meth:`apply`);
 - how its kept entries are stored: the row columns (:attr:`storage`) and the byte layout the accounting
-  formula counts (:meth:`layouts`).
+  formula counts (:meth:`layouts`);
+- which measured caches it refuses (:meth:`check_cache`).
 
 Modules holding kinds import torch and the kernels inside their methods only: config validation (every
 snakemake start) constructs kinds without loading them.
@@ -72,6 +73,10 @@ class MethodKind:
         """(key, value) `kvlab.kernels.layouts.TensorCodes` of a layer of codes, for the byte formula; None
         for a kind whose layers are dense or not counted by the formula."""
         return None
+
+    def check_cache(self, stats: dict, method: str) -> None:
+        """Raise ValueError (one line, naming `method`) where the compressed cache, as measured (`stats`: the
+        engine's cache_stats), is one the entry refuses; the base refuses none."""
 
 
 class Full(MethodKind):

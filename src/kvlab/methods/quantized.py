@@ -30,6 +30,9 @@ class Quant(MethodKind):
         if "policy" in self.params and self.scheme.name != "kivi":
             return "policy", (f"policy applies to scheme kivi only; scheme {self.scheme.name} quantizes by its own "
                               "fixed rule: remove policy")
+        if "max_saturated" in self.params and self.scheme.name != "fp8":
+            return "max_saturated", (f"max_saturated applies to scheme fp8 only (scheme {self.scheme.name}'s min-max "
+                                     "or grid range clamps nothing): remove it")
         return self.scheme.problem() or super().problem()
 
     def needs_calibration(self) -> bool:
@@ -41,6 +44,18 @@ class Quant(MethodKind):
 
     def layouts(self, head_dim: int):
         return self.scheme.layouts(head_dim)
+
+    def check_cache(self, stats: dict, method: str) -> None:
+        """`max_saturated` (fp8): refuse a cache whose context's key or value entries were clamped at ±448 × scale
+        in a larger share (the cache would silently flatten its largest entries)."""
+        limit = self.params.get("max_saturated")
+        for part in ("keys", "values"):
+            share = stats[f"kv_saturated_{part}"]
+            if limit is not None and share > limit:
+                raise ValueError(
+                    f"method {method}: {share:.3%} of the context's quantized {part} saturated at ±448 × scale "
+                    f"(max_saturated {limit:.3%}); calibrate the scales on this data, use scales: dynamic, or raise "
+                    "max_saturated")
 
     def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
         """Every full-attention layer of `cache` (after any eviction) in its quantized form; pre-RoPE key codecs

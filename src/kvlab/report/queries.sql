@@ -110,7 +110,8 @@ ORDER BY model, path DESC, task, context_tokens, question_mode, method, budget D
 
 -- name: quant_kl
 -- Quantized caches on real prose: per-token KL(full ‖ method) along the true continuation, fed one token
--- at a time, by scheme and bits; Δ perplexity paired by sample; compression from the stored bytes.
+-- at a time, by scheme and bits; Δ perplexity paired by sample; compression from the stored bytes; the share of
+-- the context's coded key / value entries FP8 clamped at ±448 × scale (NULL for formats that clamp nothing).
 WITH paired AS (
     SELECT e.*, f.ppl AS full_ppl
     FROM eval e JOIN eval f
@@ -119,7 +120,8 @@ WITH paired AS (
 )
 SELECT model, method, scheme, bits, key_axis, value_axis, policy, budget, context_tokens,
        avg(kl_vs_full) AS kl_mean_nats, max(kl_max) AS kl_max_nats, avg(ppl - full_ppl) AS delta_ppl,
-       avg(compression_vs_bf16) AS compression_vs_bf16, avg(codes_vs_bf16) AS codes_vs_bf16, count(*) AS samples
+       avg(compression_vs_bf16) AS compression_vs_bf16, avg(codes_vs_bf16) AS codes_vs_bf16,
+       avg(kv_saturated_keys) AS saturated_keys, avg(kv_saturated_values) AS saturated_values, count(*) AS samples
 FROM paired
 WHERE scheme IS NOT NULL AND metric = 'none' AND question_mode = 'agnostic'
 GROUP BY ALL

@@ -24,6 +24,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     frame = claims_frame(q, rule)
     return ("<p>Each claim of the study with its verdict on this run, the number behind it and the "
             "rule used; `query` names the SQL (shown under the sections below) whose rows decide it. A claim about "
-            "sampled answers or KL holds or does not hold only when its one-sided 95% bounds say so (paired "
-            "bootstrap over samples); otherwise it is inconclusive, with n and the bounds in its evidence.</p>"
+            "sampled answers or KL holds or does not hold only when its one-sided 95% bounds say so (accuracy "
+            "drops: the betting confidence sequence over paired samples, valid under early stopping; KL: bootstrap "
+            "over samples at a fixed n); otherwise it is inconclusive, with n and the bounds in its evidence.</p>"
             f"<p><b>{tally(frame)}.</b></p>" + table(frame))

@@ -67,7 +67,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "its points at different lengths are independent samples; RULER's generators use RULER's seed at every "
         "length.</p>"
         + "<h3>Per length, decided</h3><p class='note'>The decision table's rule per (shape, question mode, length): "
-        "the drop vs the full cache on the same prompts with its one-sided 95% bounds (paired bootstrap over "
-        f"samples) against {rule.tolerance_points:g} points.</p>"
+        "the drop vs the full cache on the same prompts with its one-sided 95% bounds (the betting confidence "
+        f"sequence over samples, valid under the jobs' early stopping) against {rule.tolerance_points:g} points.</p>"
         + table(every[[c for c in SHOWN if c in every]])
     )

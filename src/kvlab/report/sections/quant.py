@@ -117,10 +117,14 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "quantized.</p>"
         + verdict_list(verdicts(CLAIMS, q, rule))
         + "<p class='note'>kl_low, kl_high: one-sided 95% bounds of the mean per-sample KL (bootstrap over the "
-        f"samples; blank under {rule.kl_min_samples} samples).</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
+        f"samples; blank under {rule.kl_min_samples} samples). saturated_keys, saturated_values: the mean share of "
+        "the context's coded key and value entries that FP8 clamped at ±448 × scale (their error is the clamp, not "
+        "rounding; blank for formats whose range covers every input); a method entry's <code>max_saturated</code> "
+        "refuses a cache past a share.</p>" + (svg(kl_bits_chart(kl)) if not kl.empty else "") + table(kl)
         + ("<h3>2-bit ablation (KIVI's table shape)</h3><p class='note'>Accuracy on the scored tasks all four layouts "
            "ran on; drop_points: the mean accuracy drop against the full cache on the same answers, with one-sided 95% "
-           "paired bootstrap bounds over samples (drop_low, drop_high; samples: n), as in the decision table.</p>"
+           "bounds over paired samples (drop_low, drop_high; the betting confidence sequence; samples: n), as in the "
+           "decision table.</p>"
            + table(ablation) if not ablation.empty else "")
         + ("<h3>KIVI's streaming policy against kvlab's earlier one</h3><p class='note'>Paired by bits, axes and "
            "prefix (the configured pairs share G and R); only which recent tokens stay in full precision differs "
