@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from kvlab import resume
 from kvlab.engine import evaluate_samples
 from kvlab.hardware import device_name, other_dtype
 from kvlab.io import write_parquet
@@ -88,6 +89,8 @@ def run_job(
     (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
     and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
     `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
+    After each chunk of samples the job saves a checkpoint beside `out_path` (kvlab.resume); a rerun of the same job
+    continues from it and writes the rows an uninterrupted run would (timing columns aside).
     """
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
@@ -96,9 +99,10 @@ def run_job(
     samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
     grid = variants(run["methods"], run["budgets"], task)
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
-    log.info("%s: %d samples × %d variants × %d modes, then up to %d samples in rounds of %d on the variants with an "
-             "open cell; answers capped at %d tokens", task, first, len(grid), len(run["question_modes"]), len(samples),
-             plan["round"], cap)
+    rounds = (f"then up to {len(samples)} samples in rounds of {plan['round']} on the variants with an open cell"
+              if len(samples) > first else "a fixed grid")
+    log.info("%s: %d samples × %d variants × %d modes, %s; answers capped at %d tokens", task, first, len(grid),
+             len(run["question_modes"]), rounds, cap)
     other = None
     if run.get("dtype_floor_samples", 0):
         if (dtype := other_dtype(run["dtype"], run["device"])) is None:
@@ -106,15 +110,31 @@ def run_job(
         else:
             other = load_model(model_dir, dtype, run["device"], verify=False)[0]  # load_model above verified the files
             log.info("dtype noise floor: the first %d samples' full rows read again in %s", run["dtype_floor_samples"], dtype)
-    rows = []
-    t0 = time.perf_counter()
+    key = resume.job_key(task, task_spec, context_tokens, run, card)
+    state = resume.load(out_path, key) or {"rows": [], "round": 0, "next": 0, "end": 0, "before": 0, "round_s": 0.0,
+                                           "elapsed": 0.0, "still": None}
+    rows, still, round_, done, end = state["rows"], state["still"], state["round"], state["next"], state["end"]
+    if done:
+        log.info("resumed from %s: %d samples done, in round %d", resume.path_for(out_path), done, round_)
+    active = grid if still is None else [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
+    t0 = time.perf_counter() - state["elapsed"]
     at_once = samples_at_once(context_tokens)
-    active, still, done, round_ = grid, None, 0, 0
-    with tqdm(total=len(samples), desc=f"{card['name']}/{task}/{context_tokens}", unit="sample", mininterval=0) as bar:
+    with tqdm(total=len(samples), initial=done, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample",
+              mininterval=0) as bar:
         while done < len(samples):
-            round_ += 1
-            end = min(len(samples), done + (first if round_ == 1 else plan["round"]))
-            t_round, before = time.perf_counter(), len(rows)
+            if done == end:  # a new round
+                round_ += 1
+                end = min(len(samples), done + (first if round_ == 1 else plan["round"]))
+                before, spent = len(rows), 0.0
+            else:  # the round a checkpoint was saved in
+                before, spent = state["before"], state["round_s"]
+            t_round = time.perf_counter() - spent
+
+            def checkpoint(**changes):
+                resume.save(out_path, key, {"rows": rows, "round": round_, "next": done, "end": end, "before": before,
+                                            "round_s": time.perf_counter() - t_round,
+                                            "elapsed": time.perf_counter() - t0, "still": still, **changes})
+
             for start in range(done, end, at_once):
                 chunk = samples[start : min(end, start + at_once)]
                 noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
@@ -123,13 +143,15 @@ def run_job(
                                          other=other if in_dtype else None, other_samples=in_dtype, open_modes=still)
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
                 rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
+                done = start + len(chunk)
                 bar.update(len(chunk))
                 bar.set_postfix(rows=len(rows), rows_per_s=f"{len(rows) / (time.perf_counter() - t0):.2f}")
-                log.info("%s", progress(start + len(chunk), len(samples), len(rows), time.perf_counter() - t0))
+                log.info("%s", progress(done, len(samples), len(rows), time.perf_counter() - t0))
+                if done < end:
+                    checkpoint()
             seconds = time.perf_counter() - t_round
             for r in rows[before:]:
                 r["round_s"] = seconds  # the round's wall seconds (its rows share them)
-            done = end
             if done < len(samples):
                 still = open_cells(pd.DataFrame(rows), plan["tolerance_points"])
                 active = [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
@@ -137,6 +159,7 @@ def run_job(
                          len(active) - 1, len(grid) - 1, sum(map(len, still.values())))
                 if len(active) == 1:
                     break
+                checkpoint(before=len(rows), round_s=0.0)
     frame = pd.DataFrame(rows)
     frame["max_samples"] = len(samples)  # the most prompts this job could reach
     frame.insert(0, "model", card["name"])
@@ -159,4 +182,5 @@ def run_job(
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
     write_parquet(frame, out_path)
+    resume.clear(out_path)
     return frame
