@@ -23,7 +23,10 @@ def rule_text(rule: Rule) -> str:
         f"drops in draw order (kvlab.anytime; turns of a sample averaged first), valid at every n at once, so the "
         f"evaluation jobs' early stopping keeps each decision's error at most 5%: a method whose true drop is at least "
         f"the tolerance is called safe, or one whose drop is at most it unsafe, in at most 5% of cells. Prose KL: "
-        f"bootstrap over samples at a fixed n (prose jobs never stop early). Accuracy intervals: Wilson 95%"
+        f"percentile bootstrap over samples at a fixed n (prose jobs never stop early); a mean of unbounded, "
+        f"right-skewed per-sample KL has no distribution-free bound, and this one's level is not guaranteed at "
+        f"small n (a skewed KL near the threshold is called safe more often than 5%), so read a KL verdict from few "
+        f"samples as indicative. Accuracy intervals: Wilson 95%"
     )
 
 
