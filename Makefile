@@ -37,11 +37,12 @@ report: setup
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
+# --durations: the 25 slowest tests, printed with every run (CI's log keeps them)
 test: setup system
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 test-fast: setup
-	$(BIN)/pytest -q -m "not integration and not slow"
+	$(BIN)/pytest -q -m "not integration and not slow" --durations=25
 
 lint: setup
 	$(BIN)/ruff check src kernels tests workflow

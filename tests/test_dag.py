@@ -163,24 +163,6 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
         assert rule in out
 
 
-def test_lint_is_clean():
-    proc = subprocess.run([sys.executable, "-m", "snakemake", "--lint"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def test_python_lint_is_clean():
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "kernels", "tests", "workflow"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
-def test_rules_are_snakefmt_formatted():
-    """snakefmt, with [tool.snakefmt] from pyproject.toml (the line length ruff uses), would change nothing in the rules."""
-    proc = subprocess.run([sys.executable, "-m", "snakefmt", "--check", "Snakefile", "rules"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-
 def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path):
     """Evaluation jobs receive only the methods that run on their task: adding one for `recency` plans that
     evaluation alone (then collect and report)."""

@@ -112,6 +112,7 @@ sys.exit(f"loaded from outside the report env: {leaked}" if leaked else 0)
 """
 
 
+@pytest.mark.slow  # the smoke DAG and a pip install
 def test_report_rules_run_in_their_env_without_the_model_packages(report_env, smoke_run, tmp_path):
     """Snakemake's own run of the three rules keeps its generated job scripts; each then runs again with the
     report env's python, which has no torch, transformers or kvpress, and must write the same outputs."""

@@ -50,6 +50,7 @@ def test_bytes_read_are_the_stored_cache_plus_query_and_output(rows, fmt, bits):
     assert (dense["bytes_read"] == 2 * dense["batch"] * h * dense["context_tokens"] * d * 4 + 2 * dense["batch"] * hq * d * 4).all()
 
 
+@pytest.mark.slow  # the smoke DAG
 def test_report_draws_the_kernel_section_from_rows(rows, smoke_run, tmp_path):
     smoke_page = (smoke_run / "results" / "report.html").read_text()
     assert "Not measured in this run" in smoke_page and "device: cuda" in smoke_page
