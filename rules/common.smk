@@ -16,6 +16,8 @@ except ConfigError as error:
 MODELS = list(config["models"])
 EVALUATED = [m for m, spec in config["models"].items() if spec["evaluate"]]  # the rest: acquired and calibrated
 TASKS = list(config["tasks"])
+# dataset tasks whose file a recipe writes (rule workload); a pattern that matches nothing when there are none
+RECIPE_TASKS = "|".join(re.escape(t) for t, spec in config["tasks"].items() if spec.get("recipe")) or "(?!x)x"
 GPUS = int(config["device"] == "cuda")  # the rules that load the model request a GPU from the scheduler on cuda
 os.environ.setdefault("KVLAB_ROOT", workflow.basedir)  # envs/*.post-deploy.sh install kvlab from this checkout
 
@@ -56,6 +58,12 @@ def calibration_inputs(wildcards):
     if uses_calibration(methods_for(getattr(wildcards, "task", None))):
         return [f"results/calibration/{wildcards.model}/{table}.parquet" for table in CALIBRATION_TABLES]
     return []
+
+
+def dataset_rows(wildcards):
+    """A dataset task's file (the user's, or the one its recipe writes), so that a changed file reruns its jobs."""
+    task = config["tasks"][wildcards.task]
+    return [task["path"]] if task["kind"] == "dataset" else []
 
 
 def run_params(task=None):

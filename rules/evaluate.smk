@@ -1,7 +1,23 @@
+rule workload:
+    output:
+        rows="results/workloads/{task}.jsonl",
+    params:
+        recipe=lambda w: {"rows": config["tasks"][w.task]["recipe_rows"], "seed": config["tasks"][w.task]["seed"]},
+    log:
+        "logs/workload/{task}.log",
+    wildcard_constraints:
+        task=RECIPE_TASKS,
+    conda:
+        "../envs/model.yaml"
+    script:
+        "../workflow/qa_workload.py"
+
+
 rule evaluate:
     input:
         model_dir="resources/models/{model}",
         calibration=calibration_inputs,
+        rows=dataset_rows,
     output:
         rows="results/eval/{model}/{task}/{ctx}.parquet",
     params:

@@ -65,12 +65,17 @@ def test_at_least_one_model_is_evaluated(config):
 
 
 def test_every_preset_covers_every_task_kind(config):
-    """study (the wider study), smoke (the CI run of the DAG) and full exercise every generator the schema allows."""
+    """study (the wider study), wide, smoke (the CI run of the DAG), evidence and full exercise every generator the
+    schema allows; the dataset kind's shipped example runs in study, wide and smoke (evidence and full size the
+    claims' cells)."""
     schema = yaml.safe_load(SCHEMA.read_text())
     kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
     for preset in ("study", "wide", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
-        assert {t["kind"] for t in out["tasks"].values()} == kinds, preset
+        expected = kinds - {"dataset"} if preset in ("evidence", "full") else kinds
+        assert {t["kind"] for t in out["tasks"].values()} == expected, preset
+        recipes = [t for t in out["tasks"].values() if t["kind"] == "dataset"]
+        assert all(t["path"] == "results/workloads/qa_mix.jsonl" for t in recipes)
 
 
 def test_ruler_preset_is_kvpress_leaderboard_grid(config):
@@ -151,6 +156,16 @@ BAD = [
     (("methods", "int8", "max_saturated"), 0.01,
      "preset 'default': key 'methods.int8.max_saturated': max_saturated applies to scheme fp8 only (scheme int8's min-max "
      "or grid range clamps nothing): remove it"),
+    (("tasks", "mine"), {"kind": "dataset"}, "config: key 'tasks.mine': needs exactly one of path, recipe, got none"),
+    (("tasks", "mine"), {"kind": "dataset", "path": "a.jsonl", "recipe": "qa_mix"},
+     "config: key 'tasks.mine': needs exactly one of path, recipe, got path, recipe"),
+    (("tasks", "mine"), {"kind": "dataset", "path": "/nonexistent/rows.jsonl"},
+     "preset 'default': key 'tasks.mine.path': /nonexistent/rows.jsonl: no such file or folder; give `path` relative to the working directory or absolute"),
+    (("tasks", "mine"), {"kind": "dataset", "recipe": "qa_mix", "samples": 200},
+     "preset 'default': key 'tasks.mine.samples': 200 exceeds recipe_rows 120 (120); draw at most 120"),
+    (("tasks", "mine"), {"kind": "dataset", "recipe": "qa_mix", "template": "Q: {question}\nD: {context}"},
+     "preset 'default': key 'tasks.mine.template': puts {question} before {context}"),
+    (("tasks", "mine"), {"kind": "dataset", "recipe": "qa_mix", "metric": "bleu"}, "config: key 'tasks.mine.metric': 'bleu' is not allowed; allowed: qa_f1,"),
     (("methods", "kivi2", "policy"), "fifo", "config: key 'methods.kivi2.policy': 'fifo' is not allowed; allowed: kivi, together"),
     (("methods", "kivi2", "tasks"), ["niah"], "preset 'default': key 'methods.kivi2.tasks': no task 'niah'; configured tasks: niah_single"),
     (("methods", "full", "tasks"), ["prose_kl"], "key 'methods.full.tasks': the full reference runs on every task; remove it"),
@@ -388,3 +403,18 @@ def test_device_cuda_without_a_gpu_stops_a_local_run_before_any_job(tmp_path):
     assert proc.returncode != 0 and "key 'device': 'cuda', but torch sees no CUDA device" in out and "device: cpu" in out
     assert not (work / "results").exists() and not (work / "resources").exists()
     assert snakemake(work, "-n", "results/report.html", "--config", "preset=smoke", "device=cuda").returncode == 0
+
+
+def test_a_dataset_file_is_checked_before_any_job(config, tmp_path):
+    """The user's file is read when the config is: too few rows for `samples`, or a bad row, is one line naming the
+    task's key and the file's row and field."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(f'{{"context": "doc {i}", "question": "q{i}", "answers": ["a"]}}\n' for i in range(3)))
+    config["tasks"]["mine"] = {"kind": "dataset", "path": str(rows), "samples": 5}
+    with pytest.raises(ConfigError, match=rf"^preset 'default': key 'tasks.mine.samples': 5 exceeds the rows of {rows} \(3\); draw at most 3$"):
+        resolve(config, SCHEMA)
+    config["tasks"]["mine"]["samples"] = 3
+    assert resolve(config, SCHEMA)["tasks"]["mine"]["path"] == str(rows)
+    rows.write_text(rows.read_text() + '{"context": "doc", "question": "q", "answers": []}\n')
+    with pytest.raises(ConfigError, match=rf"^preset 'default': key 'tasks.mine.path': {rows} row 4: field answers must be a non-empty string"):
+        resolve(config, SCHEMA)

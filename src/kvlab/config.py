@@ -96,6 +96,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     for pname in ["default", *presets]:
         candidate = with_preset(config, pname)
         _validate(candidate, schema, schema_path, where=f"preset '{pname}'")
+        _derive(candidate)
         _check_semantics(candidate, where=f"preset '{pname}'")
         if pname == name:
             resolved = candidate
@@ -176,6 +177,10 @@ def describe(error: jsonschema.ValidationError) -> str:
         return f"name {error.instance!r} under '{path}' must match {error.validator_value} (letters, digits, . _ -)"
     if v == "pattern":
         return f"key '{path}': {error.instance!r} does not match {error.validator_value}"
+    if v == "oneOf" and all(set(sub) == {"required"} for sub in error.validator_value):  # one key of several
+        keys = [sub["required"][0] for sub in error.validator_value]
+        given = [k for k in keys if isinstance(error.instance, dict) and k in error.instance]
+        return f"key '{path}': needs exactly one of {', '.join(keys)}, got {', '.join(given) if given else 'none'}"
     if v in ("minItems", "minProperties"):
         return f"key '{path}': must not be empty"
     if v == "uniqueItems":
@@ -233,6 +238,8 @@ def _check_semantics(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'tasks.{name}.uncommon_freq': must be below common_freq {task['common_freq']}")
         if task["kind"] == "ruler":
             _check_ruler(name, task, where)
+        if task["kind"] == "dataset":
+            _check_dataset(name, task, where)
         if task["kind"] == "recency" and max(task["from_end_tokens"]) >= min(task["context_tokens"]):
             raise ConfigError(f"{where}: key 'tasks.{name}.from_end_tokens': each must be below every context length ({min(task['context_tokens'])})")
         for n in task["context_tokens"]:
@@ -243,6 +250,31 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
                         f"max_position_embeddings {limit}"
                     )
+
+
+def _derive(config: dict) -> None:
+    """Values that follow from others: a dataset task written by a recipe reads the file the pipeline writes."""
+    for name, task in config["tasks"].items():
+        if task["kind"] == "dataset" and "recipe" in task:
+            task["path"] = f"results/workloads/{name}.jsonl"
+
+
+def _check_dataset(name: str, task: dict, where: str) -> None:
+    """A dataset task's template, and its file: every row readable and complete, at least `samples` of them (a file
+    a recipe writes is checked when it is read)."""
+    from kvlab.tasks import dataset
+
+    if problem := dataset.check_template(task["template"]):
+        raise ConfigError(f"{where}: key 'tasks.{name}.template': {problem}")
+    if "recipe" in task:
+        rows, source = task["recipe_rows"], f"recipe_rows {task['recipe_rows']}"
+    else:
+        try:
+            rows, source = len(dataset.load(task["path"], task["columns"])), f"the rows of {task['path']}"
+        except dataset.DatasetError as error:
+            raise ConfigError(f"{where}: key 'tasks.{name}.path': {error}") from None
+    if task["samples"] > rows:
+        raise ConfigError(f"{where}: key 'tasks.{name}.samples': {task['samples']} exceeds {source} ({rows}); draw at most {rows}")
 
 
 def _check_reads(report: dict, where: str) -> None:

@@ -51,6 +51,17 @@ def samples_at_once(context_tokens: int) -> int:
     return max(1, 8192 // context_tokens)
 
 
+def check_lengths(task: str, samples: list, cap: int, limit: int) -> None:
+    """Every prompt, with its answer's cap, within the model's context (checked before any work: a dataset row at its
+    natural length can exceed it)."""
+    for s in samples:
+        if s.prompt.tokens + cap > limit:
+            where = f" ({s.meta['path']} row {s.meta['row']}, field context)" if "row" in s.meta else ""
+            raise ValueError(f"task '{task}': sample {s.sample_id}{where} has {s.prompt.tokens} prompt tokens + {cap} to "
+                             f"generate, beyond the model's context of {limit}; set context_tokens (at most {limit - cap}) "
+                             "to cut long prompts in the middle, or leave the row out")
+
+
 def progress(done: int, total: int, rows: int, elapsed: float) -> str:
     """One progress line for the job's log: samples done (of the most it may reach), rows, rows per second and time
     left at most (the rest of the samples at the pace so far; rounds that stop decided cells go faster)."""
@@ -99,6 +110,7 @@ def run_job(
     samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
     grid = variants(run["methods"], run["budgets"], task)
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
+    check_lengths(task, samples, cap, model.config.get_text_config().max_position_embeddings)
     rounds = (f"then up to {len(samples)} samples in rounds of {plan['round']} on the variants with an open cell"
               if len(samples) > first else "a fixed grid")
     log.info("%s: %d samples × %d variants × %d modes, %s; answers capped at %d tokens", task, first, len(grid),
@@ -118,7 +130,7 @@ def run_job(
         log.info("resumed from %s: %d samples done, in round %d", resume.path_for(out_path), done, round_)
     active = grid if still is None else [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
     t0 = time.perf_counter() - state["elapsed"]
-    at_once = samples_at_once(context_tokens)
+    at_once = samples_at_once(context_tokens or max(s.prompt.tokens for s in samples))  # 0: natural lengths
     with tqdm(total=len(samples), initial=done, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample",
               mininterval=0) as bar:
         while done < len(samples):

@@ -2,7 +2,7 @@
 entry, the model's tokenizer, a context length) and returns seeded, deterministic Samples; `generate` calls it
 with the entry's `samples` for that length."""
 
-from kvlab.tasks import arithmetic, common_words, continuation, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
+from kvlab.tasks import arithmetic, common_words, continuation, dataset, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
 
 GENERATORS = {
     "niah": needle.generate,
@@ -14,6 +14,7 @@ GENERATORS = {
     "arithmetic": arithmetic.generate,
     "continuation": continuation.generate,
     "ruler": ruler.generate,
+    "dataset": dataset.generate,
 }
 
 # A kind's own decoding cap where its task sets none (else the run's `max_new_tokens`): RULER lets a model write

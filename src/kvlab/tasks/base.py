@@ -73,7 +73,7 @@ class Sample:
     @property
     def shape(self) -> str:
         """The task's shape, the report's grouping (the article's decision table has one row per shape)."""
-        if self.kind == "ruler":
+        if self.kind in ("ruler", "dataset"):
             return self.meta["shape"]
         if self.kind != "niah":
             return SHAPES[self.kind]
@@ -95,6 +95,7 @@ class Sample:
             "seed": self.seed,
             "metric": self.metric,
             "ruler_task": self.meta.get("ruler_task"),  # RULER's own task name (niah_single_1 … qa_2); None elsewhere
+            "cut_tokens": self.meta.get("cut_tokens"),  # a dataset row's prompt tokens cut from its middle; None elsewhere
         }
 
     def to_dict(self) -> dict:

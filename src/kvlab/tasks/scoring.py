@@ -1,8 +1,13 @@
-"""RULER's substring scorers, applied after RULER's own clean-up of a prediction (its eval/evaluate.py)."""
+"""Answer scorers, each (prediction, gold answers) -> a score in [0, 1], applied after RULER's clean-up of a
+prediction (its eval/evaluate.py): RULER's substring matches, the last number (arithmetic), and LongBench's QA and
+summary metrics for a user's own workload (`kind: dataset`): SQuAD's token F1 and exact match, ROUGE-L."""
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
+from functools import cache
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -41,7 +46,59 @@ def last_number(prediction: str, gold: list[str]) -> float:
     return float(float(numbers[-1].replace(",", "")) == float(gold[0]))
 
 
-SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "last_number": last_number}
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize(text: str) -> list[str]:
+    """SQuAD v1.1's answer normalization, as LongBench's QA metrics use it: lower case, punctuation removed, the
+    articles a / an / the removed, whitespace collapsed; returned as tokens."""
+    return _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION)).split()
+
+
+def _best(prediction: str, gold: list[str], metric: str, one) -> float:
+    if not gold:
+        raise ValueError(f"{metric} needs at least one gold answer")
+    pred = clean(prediction)
+    return max(one(pred, g) for g in gold)
+
+
+def _f1(prediction: str, answer: str) -> float:
+    pred, ref = normalize(prediction), normalize(answer)
+    common = sum((Counter(pred) & Counter(ref)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1(prediction: str, gold: list[str]) -> float:
+    """Token F1 of the normalized prediction against the best gold answer (SQuAD v1.1's F1, LongBench's
+    qa_f1_score): the bag of tokens they share, its precision and recall; 0 when they share none."""
+    return _best(prediction, gold, "qa_f1", _f1)
+
+
+def exact_match(prediction: str, gold: list[str]) -> float:
+    """1.0 when the normalized prediction equals a normalized gold answer (SQuAD v1.1's exact match)."""
+    return _best(prediction, gold, "exact_match", lambda p, g: float(normalize(p) == normalize(g)))
+
+
+@cache
+def _rouge():
+    from rouge_score import rouge_scorer  # PyPI rouge-score, Google's implementation of the ROUGE metrics
+
+    return rouge_scorer.RougeScorer(["rougeL"])
+
+
+def rouge_l(prediction: str, gold: list[str]) -> float:
+    """ROUGE-L F-measure (longest common subsequence of tokens) against the best gold answer, from rouge-score.
+    Its default tokenizer keeps ASCII letters and digits only, lower-cased: text in another script (Chinese,
+    Cyrillic, ...) has no tokens there and scores 0."""
+    return _best(prediction, gold, "rouge_l", lambda p, g: _rouge().score(g, p)["rougeL"].fmeasure)
+
+
+SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "last_number": last_number,
+           "qa_f1": qa_f1, "exact_match": exact_match, "rouge_l": rouge_l}
 
 
 def score(metric: str, prediction: str, gold: list[str]) -> float:
