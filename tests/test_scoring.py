@@ -67,6 +67,7 @@ def test_rouge_l_against_rouge_score_and_the_lcs_by_hand():
     assert rouge_l("The quick brown dog jumps on the log.", ["The quick brown fox jumps over the lazy dog"]) == pytest.approx(2 * p * r / (p + r))
     assert rouge_l("same words here", ["nothing in common", "same words here"]) == 1.0
     assert rouge_l("你好世界", ["你好世界"]) == 0.0  # rouge-score's tokenizer keeps ASCII only
+    assert type(rouge_l("你好世界", ["你好世界"])) is float  # rouge-score gives an int 0 for no tokens
 
 
 @pytest.mark.parametrize("metric", ["qa_f1", "exact_match", "rouge_l"])

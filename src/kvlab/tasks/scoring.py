@@ -94,7 +94,7 @@ def rouge_l(prediction: str, gold: list[str]) -> float:
     """ROUGE-L F-measure (longest common subsequence of tokens) against the best gold answer, from rouge-score.
     Its default tokenizer keeps ASCII letters and digits only, lower-cased: text in another script (Chinese,
     Cyrillic, ...) has no tokens there and scores 0."""
-    return _best(prediction, gold, "rouge_l", lambda p, g: _rouge().score(g, p)["rougeL"].fmeasure)
+    return _best(prediction, gold, "rouge_l", lambda p, g: float(_rouge().score(g, p)["rougeL"].fmeasure))
 
 
 SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "last_number": last_number,
