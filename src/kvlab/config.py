@@ -9,7 +9,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from kvlab import press_source
+from kvlab import press_source, tasks
 from kvlab.kernels.accounting import Scheme
 from kvlab.methods import kind_of
 
@@ -225,23 +225,15 @@ def _check_semantics(config: dict, where: str) -> None:
     if unknown:
         raise ConfigError(f"{where}: key 'dtype_floor.tasks': no task {unknown[0]!r}; configured tasks: {', '.join(config['tasks'])}")
     bench = config["benchmark"]["task"]
-    if bench not in config["tasks"] or config["tasks"][bench]["kind"] != "niah" or config["tasks"][bench]["question_position"] != "after":
-        niah = [n for n, t in config["tasks"].items() if t["kind"] == "niah" and t["question_position"] == "after"]
+    if bench not in config["tasks"] or not tasks.needle.benchmarkable(config["tasks"][bench]):
+        niah = [n for n, t in config["tasks"].items() if tasks.needle.benchmarkable(t)]
         raise ConfigError(f"{where}: key 'benchmark.task': {bench!r} must name a niah task asking after the document; candidates: {', '.join(niah) or 'none'}")
     for name, task in config["tasks"].items():
         if isinstance(task["samples"], list) and len(task["samples"]) != len(task["context_tokens"]):
             raise ConfigError(f"{where}: key 'tasks.{name}.samples': {len(task['samples'])} entries for "
                               f"{len(task['context_tokens'])} context_tokens; give one number, or one per context length")
-        if task["kind"] == "niah" and task["queries"] > task["keys"]:
-            raise ConfigError(f"{where}: key 'tasks.{name}.queries': {task['queries']} exceeds keys {task['keys']}; ask at most as many keys as there are")
-        if task["kind"] == "common_words" and task["uncommon_freq"] >= task["common_freq"]:
-            raise ConfigError(f"{where}: key 'tasks.{name}.uncommon_freq': must be below common_freq {task['common_freq']}")
-        if task["kind"] == "ruler":
-            _check_ruler(name, task, where)
-        if task["kind"] == "dataset":
-            _check_dataset(name, task, where)
-        if task["kind"] == "recency" and max(task["from_end_tokens"]) >= min(task["context_tokens"]):
-            raise ConfigError(f"{where}: key 'tasks.{name}.from_end_tokens': each must be below every context length ({min(task['context_tokens'])})")
+        if problem := tasks.problem(name, task):
+            raise ConfigError(f"{where}: key 'tasks.{name}.{problem[0]}': {problem[1]}")
         for n in task["context_tokens"]:
             for model, spec in config["models"].items():
                 limit = spec.get("max_position_embeddings")
@@ -253,28 +245,9 @@ def _check_semantics(config: dict, where: str) -> None:
 
 
 def _derive(config: dict) -> None:
-    """Values that follow from others: a dataset task written by a recipe reads the file the pipeline writes."""
+    """Values that follow from others (each task kind's `derive`)."""
     for name, task in config["tasks"].items():
-        if task["kind"] == "dataset" and "recipe" in task:
-            task["path"] = f"results/workloads/{name}.jsonl"
-
-
-def _check_dataset(name: str, task: dict, where: str) -> None:
-    """A dataset task's template, and its file: every row readable and complete, at least `samples` of them (a file
-    a recipe writes is checked when it is read)."""
-    from kvlab.tasks import dataset
-
-    if problem := dataset.check_template(task["template"]):
-        raise ConfigError(f"{where}: key 'tasks.{name}.template': {problem}")
-    if "recipe" in task:
-        rows, source = task["recipe_rows"], f"recipe_rows {task['recipe_rows']}"
-    else:
-        try:
-            rows, source = len(dataset.load(task["path"], task["columns"])), f"the rows of {task['path']}"
-        except dataset.DatasetError as error:
-            raise ConfigError(f"{where}: key 'tasks.{name}.path': {error}") from None
-    if task["samples"] > rows:
-        raise ConfigError(f"{where}: key 'tasks.{name}.samples': {task['samples']} exceeds {source} ({rows}); draw at most {rows}")
+        tasks.derive(name, task)
 
 
 def _check_reads(report: dict, where: str) -> None:
@@ -288,20 +261,6 @@ def _check_reads(report: dict, where: str) -> None:
             Scheme.parse(text)
         except ValueError as error:
             raise ConfigError(f"{where}: key 'report.crossover.kv_schemes[{i}]': {error}") from None
-
-
-def _check_ruler(name: str, task: dict, where: str) -> None:
-    """RULER's package is there (at its pin), and every length leaves room for RULER's tokens_to_generate."""
-    from kvlab.tasks import ruler
-
-    try:
-        config = ruler.task_config(task["ruler_task"])
-    except (RuntimeError, ValueError) as error:
-        raise ConfigError(f"{where}: key 'tasks.{name}.ruler_task': {error}") from None
-    short = [n for n in task["context_tokens"] if n <= config["tokens_to_generate"]]
-    if short:
-        raise ConfigError(f"{where}: key 'tasks.{name}.context_tokens': {short[0]} leaves no prompt: RULER's {task['ruler_task']} "
-                          f"counts its {config['tokens_to_generate']} tokens_to_generate in the length; use more")
 
 
 CALIBRATION_TABLES = (

@@ -1,21 +1,37 @@
-"""Task generators by kind: one module per kind, one line here. A generator takes (task name, its config
-entry, the model's tokenizer, a context length) and returns seeded, deterministic Samples; `generate` calls it
-with the entry's `samples` for that length."""
+"""Task kinds: one module per kind, one line here. A kind's module has `generate(task name, its config entry, the
+model's tokenizer, a context length)`, which returns seeded, deterministic Samples (`generate` below calls it with the
+entry's `samples` for that length), and may have `problem(name, spec)`, the entry's first problem the schema cannot
+express as (key under the task, what is wrong and what would be right) or None, and `derive(name, spec)`, which fills
+values that follow from others; config validation calls both (`problem`, `derive` below)."""
 
 from kvlab.tasks import arithmetic, common_words, continuation, dataset, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
 
-GENERATORS = {
-    "niah": needle.generate,
-    "recency": recency.generate,
-    "variable_tracking": variable_tracking.generate,
-    "multi_turn": multi_turn.generate,
-    "common_words": common_words.generate,
-    "frequent_words": frequent_words.generate,
-    "arithmetic": arithmetic.generate,
-    "continuation": continuation.generate,
-    "ruler": ruler.generate,
-    "dataset": dataset.generate,
+KINDS = {
+    "niah": needle,
+    "recency": recency,
+    "variable_tracking": variable_tracking,
+    "multi_turn": multi_turn,
+    "common_words": common_words,
+    "frequent_words": frequent_words,
+    "arithmetic": arithmetic,
+    "continuation": continuation,
+    "ruler": ruler,
+    "dataset": dataset,
 }
+GENERATORS = {kind: module.generate for kind, module in KINDS.items()}
+
+
+def problem(name: str, spec: dict) -> tuple[str, str] | None:
+    """The task entry's first problem its kind finds beyond the schema (key under the task, message), or None."""
+    check = getattr(KINDS[spec["kind"]], "problem", None)
+    return check(name, spec) if check else None
+
+
+def derive(name: str, spec: dict) -> None:
+    """Fill the values of a task entry that its kind derives from others (in place)."""
+    fill = getattr(KINDS[spec["kind"]], "derive", None)
+    if fill:
+        fill(name, spec)
 
 # A kind's own decoding cap where its task sets none (else the run's `max_new_tokens`): RULER lets a model write
 # its tokens_to_generate (128 for niah, 120 for cwe, 50 for fwe, 32 for qa, 30 for vt), and a shorter cap cuts

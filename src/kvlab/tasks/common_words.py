@@ -49,3 +49,9 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, index: int, rng) 
         gold=common,
         meta={"uncommon_words": n},
     )
+
+
+def problem(name: str, spec: dict):
+    if spec["uncommon_freq"] >= spec["common_freq"]:
+        return "uncommon_freq", f"must be below common_freq {spec['common_freq']}"
+    return None

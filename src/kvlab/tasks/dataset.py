@@ -55,6 +55,29 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
     return [make_sample(name, spec, tokenizer, context_tokens, template, records[i]) for i in order[: spec["samples"]]]
 
 
+def derive(name: str, spec: dict) -> None:
+    """A task whose file a recipe writes reads it where the pipeline writes it (rule workload)."""
+    if "recipe" in spec:
+        spec["path"] = f"results/workloads/{name}.jsonl"
+
+
+def problem(name: str, spec: dict):
+    """The template, and the file: every row readable and complete, at least `samples` of them (a file a recipe writes
+    is checked when it is read)."""
+    if why := check_template(spec["template"]):
+        return "template", why
+    if "recipe" in spec:
+        rows, source = spec["recipe_rows"], f"recipe_rows {spec['recipe_rows']}"
+    else:
+        try:
+            rows, source = len(load(spec["path"], spec["columns"])), f"the rows of {spec['path']}"
+        except DatasetError as error:
+            return "path", str(error)
+    if spec["samples"] > rows:
+        return "samples", f"{spec['samples']} exceeds {source} ({rows}); draw at most {rows}"
+    return None
+
+
 def shape(name: str, spec: dict) -> str:
     """The report's row for this workload: its `shape`, else 'workload <name>'."""
     return spec.get("shape") or f"workload {name}"

@@ -107,3 +107,15 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
         meta={"keys": keys, "asked": asked, "haystack_sentences": n, "needle_sentence": round(depth * n), "needles": needles,
               "span": filler.span(n)},
     )
+
+
+def problem(name: str, spec: dict):
+    if spec["queries"] > spec["keys"]:
+        return "queries", f"{spec['queries']} exceeds keys {spec['keys']}; ask at most as many keys as there are"
+    return None
+
+
+def benchmarkable(spec: dict) -> bool:
+    """Whether the engine-vs-pipeline benchmark can time this task: a niah task asking after the document (kvpress's
+    pipeline takes the question apart from the context)."""
+    return spec["kind"] == "niah" and spec["question_position"] == "after"

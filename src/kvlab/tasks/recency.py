@@ -40,3 +40,9 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, distance: int, in
         gold=[value],
         meta={"key": key, "tokens_after_needle": after, "from_end_tokens": distance, "needles": [needle], "span": filler.span(n)},
     )
+
+
+def problem(name: str, spec: dict):
+    if max(spec["from_end_tokens"]) >= min(spec["context_tokens"]):
+        return "from_end_tokens", f"each must be below every context length ({min(spec['context_tokens'])})"
+    return None

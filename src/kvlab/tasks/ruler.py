@@ -57,6 +57,19 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
     return [make_sample(name, spec, config, tokenizer, context_tokens, row) for row in rows]
 
 
+def problem(name: str, spec: dict):
+    """RULER's package is there (at its pin), and every length leaves room for RULER's tokens_to_generate."""
+    try:
+        config = task_config(spec["ruler_task"])
+    except (RuntimeError, ValueError) as error:
+        return "ruler_task", str(error)
+    short = [n for n in spec["context_tokens"] if n <= config["tokens_to_generate"]]
+    if short:
+        return "context_tokens", (f"{short[0]} leaves no prompt: RULER's {spec['ruler_task']} counts its "
+                                  f"{config['tokens_to_generate']} tokens_to_generate in the length; use more")
+    return None
+
+
 def task_names() -> list[str]:
     return list(_table())
 
