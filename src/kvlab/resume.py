@@ -4,8 +4,8 @@ continues from its last finished chunk of samples instead of starting over.
 The job (`kvlab.evaluate.run_job`) evaluates its prompts chunk by chunk, and a chunk's rows depend only on its
 samples and on the variants still open, which the rows before it decide; so the rows so far, the next sample
 and the round's state are all a rerun needs to write the same rows as an uninterrupted run. After each chunk the
-job writes that state beside its output (`<output>.partial`, a pickle written to a temporary name and renamed,
-so a kill mid-write leaves the previous checkpoint whole), and removes it once the output is written.
+job writes that state beside its output (`<output>.partial`, a pickle written through kvlab.io.atomic_path, so a
+kill mid-write leaves the previous checkpoint whole), and removes it once the output is written.
 
 A checkpoint is only used by the same job: its key hashes the task and its spec, the context length, the job's
 run settings (methods, budgets, dtype, threads, rounds...), the model's card (its weights' checksums) and the
@@ -17,10 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import pickle
 from functools import lru_cache
 from pathlib import Path
+
+from kvlab.io import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +72,9 @@ def load(out_path: str | Path, key: str) -> dict | None:
 
 
 def save(out_path: str | Path, key: str, state: dict) -> None:
-    """Write the job's state atomically (a temporary file renamed over the checkpoint)."""
-    path = path_for(out_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    """Write the job's state atomically (kvlab.io.atomic_path: a temporary file renamed over the checkpoint)."""
+    with atomic_path(path_for(out_path)) as tmp, open(tmp, "wb") as f:
         pickle.dump({"key": key, "state": state}, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(tmp, path)
 
 
 def clear(out_path: str | Path) -> None:
