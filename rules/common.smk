@@ -79,6 +79,8 @@ def run_params(task=None):
             "max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
             "round": seq["round"],
             "tolerance_points": config["decision"]["tolerance_points"],
+            "kl_safe": config["decision"]["kl_safe"],
+            "kl_cap_ratio": config["decision"]["kl_cap_ratio"],
         }
     return {"methods": methods_for(task), **run}
 

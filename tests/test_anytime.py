@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvlab.anytime import ALPHA, ebh, sequence
-from kvlab.report.stats import drop_bounds
+from kvlab.report.stats import drop_bounds, kl_bounds, mean_bounds
 
 TOLERANCE = 5.0  # points
 CELLS = 400  # simulated cells per case; 2 standard errors of a 5% rate: ±2.2 points
@@ -79,6 +79,59 @@ def test_unsafe_rate_just_inside_the_tolerance():
         s = sequence(losses(rng, 200, (TOLERANCE - 1) / 100, False), -1.0, 1.0, TOLERANCE / 100)
         unsafe += bool(s.up_at) and (not s.down_at or s.up_at < s.down_at)
     assert unsafe / CELLS <= ALPHA + SLACK
+
+
+KL = 0.01  # nats: the decision's KL threshold (kvlab.report.decision.Rule.kl_safe)
+
+
+def kl_samples(rng, n: int, mean: float, shape: str) -> np.ndarray:
+    """Per-sample KL with true mean `mean`: 'beta' (skewed, within the cap 5 × KL: 5 × KL × Beta(0.5, b)), 'spike'
+    (mostly 0.002 nat, sometimes at the cap: the hardest case inside it) or 'lognormal' (σ 1, unbounded: about 1.7%
+    of samples lie above the cap)."""
+    cap = 5 * KL
+    if shape == "beta":
+        m = mean / cap
+        return cap * rng.beta(0.5, 0.5 * (1 - m) / m, n)
+    if shape == "spike":
+        return np.where(rng.random(n) < (mean - 0.002) / (cap - 0.002), cap, 0.002)
+    return mean * np.exp(rng.normal(-0.5, 1.0, n))
+
+
+@pytest.mark.parametrize("n", [20, 40, 60, 100, 200])
+@pytest.mark.parametrize("shape", ["beta", "spike", "lognormal"])
+def test_kl_safe_rate_at_the_threshold(n, shape):
+    """The KL leg of the level test: a mean per-sample KL exactly at the threshold is called safe by kl_bounds (the
+    decision table's and the claims' bound) in at most 5% of 400 cells, within simulation error, at each fixed n.
+    The bootstrap kvlab used before (mean_bounds, still the tables' descriptive bounds) does not hold it on skewed
+    KL: with these seeds it calls 10.5% (beta), 14.8% (spike) and 19.5% (lognormal) safe at n = 20, and 15.3% of
+    lognormal cells at n = 40; asserted below where it fails by more than simulation error."""
+    rng = np.random.default_rng(n)
+    data = [kl_samples(rng, n, KL, shape) for _ in range(CELLS)]
+    assert np.mean([kl_bounds(x, KL).decide(KL) == "safe" for x in data]) <= ALPHA + SLACK
+    if n in (20, 40) and shape == "lognormal" or n == 20:
+        assert np.mean([mean_bounds(x, 10).decide(KL) == "safe" for x in data]) > ALPHA + SLACK
+
+
+def test_kl_peeking_keeps_the_level_and_decides_both_ways():
+    """Peeking after every sample up to 200 and stopping at the first decision: a KL 10% above the threshold is
+    called safe in at most 5% of cells, one 10% below it unsafe in at most 5%. A cell far below is decided safe, one
+    far above unsafe, and one with a sample above the cap never safe."""
+    rng = np.random.default_rng(5)
+    cap = 5 * KL
+
+    def first(x: np.ndarray) -> str:
+        s = sequence(np.clip(x, 0, cap), 0.0, cap, KL)
+        if s.down_at and (not s.up_at or s.down_at < s.up_at) and (x[: s.down_at] <= cap).all():
+            return "safe"
+        return "unsafe" if s.up_at else "open"
+
+    assert np.mean([first(kl_samples(rng, 200, 1.1 * KL, "beta")) == "safe" for _ in range(CELLS)]) <= ALPHA + SLACK
+    assert np.mean([first(kl_samples(rng, 200, 0.9 * KL, "beta")) == "unsafe" for _ in range(CELLS)]) <= ALPHA + SLACK
+    assert kl_bounds(np.full(15, 0.0), KL).decide(KL) == "safe"
+    assert kl_bounds(np.full(14, 0.0), KL).decide(KL) == "inconclusive"
+    assert kl_bounds(np.full(5, 0.2), KL).decide(KL) == "unsafe"
+    over = kl_bounds(np.append(np.zeros(60), 0.06), KL)
+    assert over.over_cap == 1 and over.high == np.inf and over.decide(KL) == "inconclusive"
 
 
 def test_coverage_of_the_whole_sequence():

@@ -182,3 +182,21 @@ def test_summary_and_claims_count_what_the_samples_decide():
     assert "of 4 cells" in text and "samples decide 2: 1 safe, 1 unsafe, 1 inconclusive, 1 not judged" in text
     frame = pd.DataFrame({"verdict": ["holds", "holds", "inconclusive", "not measured"]})
     assert tally(frame) == "4 verdicts: 2 hold, 0 does not hold, 1 inconclusive, 1 not measured"
+
+
+def test_a_prose_cell_is_decided_on_its_kl_betting_bounds_and_a_sample_above_the_cap_blocks_safe():
+    """Prose cells use kl_bounds: 30 samples at 0.004 nat are safe at 0.01; the same with one sample at 0.2 (above
+    the cap, 5 × 0.01) keep a lower bound but no upper bound, so they are inconclusive and say why; 14 samples at 0
+    are too few (15 decide)."""
+    from kvlab.report.decision import evidence, judge
+
+    rule = Rule()
+    calm = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=30))
+    assert judge(calm, rule)["decision"] == "safe"
+    spiky = calm.copy()
+    spiky.loc[7, "kl_vs_full"] = 0.2
+    out = judge(spiky, rule)
+    assert out["decision"] == "inconclusive" and out["kl_over_cap"] == 1 and out["kl_high"] == np.inf
+    assert "no upper bound (1 samples above the cap)" in evidence(pd.Series(out))
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=14)), rule)["decision"] == "inconclusive"
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=15)), rule)["decision"] == "safe"

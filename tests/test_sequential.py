@@ -29,7 +29,7 @@ def test_planned_prompts():
     assert planned({"kind": "niah"}, 6, 96) == 96
     assert planned({"kind": "niah", "max_samples": 20}, 6, 96) == 20
     assert planned({"kind": "niah"}, 6, 0) == 6  # a fixed grid
-    assert planned({"kind": "continuation"}, 10, 96) == 10  # KL never stops early
+    assert planned({"kind": "continuation"}, 10, 96) == 96  # prose KL runs in rounds too (kvlab.report.stats.kl_bounds)
     assert per_point(6, 2, 20) == 7  # three points: 7 each reach 20
 
 
@@ -116,3 +116,20 @@ def test_only_the_open_modes_are_compressed_and_decoded(tiny):
 def test_rows_of_a_round_share_its_seconds(tmp_path, tiny_dir):
     rows = job(tmp_path, "a", tiny_dir, max_samples=8, tolerance=60)
     assert (rows.groupby("round")["round_s"].nunique() == 1).all() and (rows["round_s"] > 0).all()
+
+
+def test_prose_runs_in_rounds_and_stops_each_cell_on_its_kl_bounds(tmp_path, tiny_dir):
+    """A continuation job (scored by KL, no answers) runs in rounds as well: each compressed variant stops after the
+    first round whose rows decide its cells by kl_bounds, as the report decides them; the job ends when none is open."""
+    spec = {"kind": "continuation", "context_tokens": [256], "continuation_tokens": 16, "samples": 3, "seed": 0}
+    run = {"methods": METHODS, "budgets": [0.5, 0.1], "question_modes": ["agnostic"], "max_new_tokens": 4,
+           "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
+           "sequential": {"max_samples": 30, "round": 3, "tolerance_points": 5.0, "kl_safe": 0.01, "kl_cap_ratio": 5}}
+    rows = run_job(tiny_dir, "prose", spec, 256, run, tmp_path / "prose.parquet")
+    full = rows[rows["method_kind"] == "full"]
+    assert rows["kl_vs_full"].notna().all() and full["round"].max() > 1
+    for (method, budget), g in rows[rows["method_kind"] != "full"].groupby(["method", "budget"]):
+        last = g["round"].max()
+        assert bool(open_cells(g, 5.0)) == (last == full["round"].max() and full["draw"].max() + 1 == 30)
+        if last > 1:
+            assert open_cells(g[g["round"] < last], 5.0)  # still open before its last round

@@ -19,6 +19,7 @@ from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
+from kvlab.report.decision import Rule
 from kvlab.sequential import open_cells, per_point, planned
 from kvlab.tasks import generate, max_new_tokens, samples_at
 
@@ -96,7 +97,7 @@ def run_job(
     `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads,
     noise_floor_samples (the noise floor is measured on the job's first samples; default: all), dtype_floor_samples
     (the first samples whose full rows the model in the other compute dtype reads again; default: none), and
-    sequential ({max_samples, round, tolerance_points}; default: the task's samples only). The job runs in rounds
+    sequential ({max_samples, round, tolerance_points, kl_safe, kl_cap_ratio}; default: the task's samples only). The job runs in rounds
     (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
     and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
     `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
@@ -165,7 +166,8 @@ def run_job(
             for r in rows[before:]:
                 r["round_s"] = seconds  # the round's wall seconds (its rows share them)
             if done < len(samples):
-                still = open_cells(pd.DataFrame(rows), plan["tolerance_points"])
+                still = open_cells(pd.DataFrame(rows), plan["tolerance_points"], plan.get("kl_safe", Rule.kl_safe),
+                                   plan.get("kl_cap_ratio", Rule.kl_cap_ratio))
                 active = [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
                 log.info("round %d done (%d samples): %d of %d variants have an open cell (%d cells open)", round_, done,
                          len(active) - 1, len(grid) - 1, sum(map(len, still.values())))

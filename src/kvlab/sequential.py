@@ -10,8 +10,9 @@ reference) and to the variants with an open cell, each only for the compressions
 Prompts are drawn index by index (kvlab.tasks.base.grid_samples), so a longer run only adds prompts, and stopping
 depends on the answers alone, so two runs give the same rows.
 
-Prose tasks (kind continuation) are scored by KL, which has no upper limit: no bound valid under stopping can call
-it small, so they run their `samples` and stop (a fixed n, decided by the bootstrap).
+Prose tasks (kind continuation) are scored by their per-sample KL against the full cache, decided as the report
+decides it too (kvlab.report.stats.kl_bounds: a betting sequence on the KL clipped to kl_cap_ratio × kl_safe, whose
+upper bound assumes no sample's KL exceeds that cap), so they run in rounds as well.
 """
 
 from __future__ import annotations
@@ -20,16 +21,13 @@ import math
 
 import pandas as pd
 
-from kvlab.report.stats import drop_bounds, per_sample
-
-FIXED_KINDS = ("continuation",)  # task kinds that never stop early (scored by KL)
+from kvlab.report.decision import Rule
+from kvlab.report.stats import drop_bounds, kl_bounds, per_sample
 
 
 def planned(spec: dict, initial: int, max_samples: int) -> int:
     """The most prompts a job may reach: `max_samples` (the task's own, else the run's), never fewer than the
-    initial samples; a kind scored by KL keeps its initial samples."""
-    if spec["kind"] in FIXED_KINDS:
-        return initial
+    initial samples."""
     return max(initial, int(spec.get("max_samples", max_samples)))
 
 
@@ -47,12 +45,19 @@ def cell_drops(rows: pd.DataFrame) -> pd.DataFrame:
     return other.merge(full.rename(columns={"score": "full_score"}), on=["sample_id", "question_mode", "turn"])
 
 
-def open_cells(rows: pd.DataFrame, tolerance_points: float) -> dict[tuple[str, float], set[str]]:
-    """(method, budget) -> its question modes whose cell is neither safe nor unsafe yet (pairs with none left out)."""
-    scored = cell_drops(rows[rows["score"].notna()])
+def open_cells(rows: pd.DataFrame, tolerance_points: float, kl_safe: float = Rule.kl_safe,
+               kl_cap_ratio: float = Rule.kl_cap_ratio) -> dict[tuple[str, float], set[str]]:
+    """(method, budget) -> its question modes whose cell is neither safe nor unsafe yet (pairs with none left out):
+    scored answers by their paired drop at `tolerance_points`, prose by its per-sample KL at `kl_safe`."""
+    keys = ["method", "budget", "question_mode"]
+    scored = cell_drops(rows[rows["score"].notna()]) if "score" in rows else rows.iloc[:0]
+    prose = rows[(rows["method_kind"] != "full") & rows["kl_vs_full"].notna()] if "kl_vs_full" in rows else rows.iloc[:0]
     out: dict[tuple[str, float], set[str]] = {}
-    for (method, budget, mode), g in scored.groupby(["method", "budget", "question_mode"], sort=False):
+    for (method, budget, mode), g in scored.groupby(keys, sort=False):
         s = per_sample(g, ["full_score", "score"])
         if drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), tolerance_points).decide(tolerance_points) == "inconclusive":
+            out.setdefault((method, float(budget)), set()).add(mode)
+    for (method, budget, mode), g in prose.groupby(keys, sort=False):
+        if kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), kl_safe, kl_cap_ratio).decide(kl_safe) == "inconclusive":
             out.setdefault((method, float(budget)), set()).add(mode)
     return out

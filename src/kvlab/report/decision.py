@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kvlab.report.stats import drop_bounds, mean_bounds, per_sample, wilson
+from kvlab.report.stats import drop_bounds, kl_bounds, per_sample, wilson
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class Rule:
     """When a compressed method is safe, and the compression the article asks for."""
 
     tolerance_points: float = 5.0  # config.yaml `decision.tolerance_points` (this default is the schema's)
-    kl_safe: float = 0.01  # on prose (no answers to score): per-token KL vs the full cache at most this (nats)
-    kl_min_samples: int = 10  # fewer prose samples cannot bound a mean KL: inconclusive (kvlab.report.stats)
+    kl_safe: float = 0.01  # config.yaml `decision.kl_safe`: on prose, per-token KL vs the full cache at most this (nats)
+    kl_cap_ratio: float = 5.0  # `decision.kl_cap_ratio`: a sample's KL is assumed at most this × a KL threshold
+    kl_min_samples: int = 10  # the tables' descriptive KL bounds (bootstrap) stay blank under this many samples
     target: float = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
 
 
@@ -34,30 +35,32 @@ DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "va
 def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     """One cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
     cache with its betting bounds over samples in draw order (valid however the job stopped: kvlab.anytime), or on
-    prose the mean per-sample KL with its bootstrap bounds; `sample_sd`, the per-sample spread; for a drop, the
-    sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation round, the e-values of
-    its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide` for an inconclusive cell
-    (kvlab.report.stats)."""
+    prose the mean per-sample KL with its betting bounds (kvlab.report.stats.kl_bounds, on the KL clipped to
+    kl_cap_ratio × kl_safe; `kl_over_cap`: samples above it, which leave no upper bound); `sample_sd`, the
+    per-sample spread; the sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation
+    round, the e-values of its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide`
+    for an inconclusive cell (kvlab.report.stats)."""
     out = {c: rows[c].iloc[0] for c in DESCRIBE if c in rows}
     if "kv_fraction_bf16" in rows:
         out["kv_fraction_bf16"] = rows["kv_fraction_bf16"].mean()
     out["answers"], out["samples"] = len(rows), rows["sample_id"].nunique()
+    rounds = ["round"] if "round" in rows else []
     if "kl_vs_full" in rows and rows["kl_vs_full"].notna().all():
-        b, threshold = mean_bounds(per_sample(rows, ["kl_vs_full"])["kl_vs_full"], rule.kl_min_samples), rule.kl_safe
-        out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, decision=b.decide(threshold))
+        s, threshold = per_sample(rows, ["kl_vs_full", *rounds]), rule.kl_safe
+        b = kl_bounds(s["kl_vs_full"].to_numpy(), threshold, rule.kl_cap_ratio)
+        out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, kl_over_cap=b.over_cap, decision=b.decide(threshold))
     else:
-        s = per_sample(rows, ["score", "full_score", *(["round"] if "round" in rows else [])])
+        s = per_sample(rows, ["score", "full_score", *rounds])
         threshold = rule.tolerance_points
         b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), threshold)
-        out.update(decided_at=b.decided_at or math.nan, e_safe=b.e_safe, e_unsafe=b.e_unsafe,
-                   decided_round=s["round"].iloc[b.decided_at - 1] if b.decided_at and "round" in s else math.nan,
-                   cap=_cap(rows))
         acc_low, acc_high = wilson(rows["score"].sum(), len(rows))
         full_low, full_high = wilson(rows["full_score"].sum(), len(rows))
         full = rows["full_score"].mean()
         out.update(accuracy=rows["score"].mean(), accuracy_low=acc_low, accuracy_high=acc_high, full_accuracy=full,
                    full_low=full_low, full_high=full_high, drop_points=b.mean, drop_low=b.low, drop_high=b.high,
                    decision=b.decide(threshold) if full > 0 else NO_REFERENCE)
+    out.update(decided_at=b.decided_at or math.nan, e_safe=b.e_safe, e_unsafe=b.e_unsafe,
+               decided_round=s["round"].iloc[b.decided_at - 1] if b.decided_at and rounds else math.nan, cap=_cap(rows))
     out["sample_sd"] = b.sd  # the per-sample spread the bounds come from (points of drop, or nats of KL)
     out["n_to_decide"] = b.n_to_decide(threshold) if out["decision"] == "inconclusive" else math.nan
     return out
@@ -82,7 +85,7 @@ def evidence(r) -> str:
     """A cell's numbers in one phrase: n, the interval, and for an inconclusive cell the n that would decide it."""
     if "kl_mean_nats" in r and not pd.isna(r["kl_mean_nats"]):
         bounds = (f"bounds [{r['kl_low']:.3g}, {r['kl_high']:.3g}]" if math.isfinite(r["kl_high"])
-                  else "too few samples to bound it")
+                  else f"lower bound {r['kl_low']:.3g}, no upper bound ({r['kl_over_cap']} samples above the cap)")
         text = f"KL {r['kl_mean_nats']:.3g} nat, {bounds}, n={r['samples']}"
     else:
         text = (f"{r['accuracy']:.0%} [{r['accuracy_low']:.0%}, {r['accuracy_high']:.0%}] vs full {r['full_accuracy']:.0%} "

@@ -15,14 +15,14 @@ KEYS = ["model", "shape", "question_mode", "method", "budget"]
 
 
 def scored_cells(rows: pd.DataFrame, rule: Rule) -> pd.DataFrame:
-    """The accuracy cells of the decision table (prose KL cells, at a fixed n, are not among them), each with
-    `ebh`: whether its decision survives e-BH at ALPHA over every cell's two tests (safe and unsafe)."""
-    rows = rows[rows["kl_vs_full"].isna()]
+    """The cells of the decision table (scored answers and prose KL), each with `ebh`: whether its decision survives
+    e-BH at ALPHA over every cell's two tests (safe and unsafe; a KL cell with a sample above its cap has no safe
+    test: e-value 1)."""
     if rows.empty:
         return pd.DataFrame()
     c = cells(rows, rule, by=["model", "shape", "question_mode"])
     c = c[c["decision"].isin(["safe", "unsafe", "inconclusive"])].reset_index(drop=True)
-    kept = ebh(np.r_[c["e_safe"].to_numpy(), c["e_unsafe"].to_numpy()], ALPHA)
+    kept = ebh(np.nan_to_num(np.r_[c["e_safe"].to_numpy(), c["e_unsafe"].to_numpy()], nan=1.0), ALPHA)
     safe, unsafe = kept[: len(c)], kept[len(c):]
     c["ebh"] = np.where(c["decision"] == "safe", safe, np.where(c["decision"] == "unsafe", unsafe, False))
     return c
@@ -37,7 +37,8 @@ def chart(c: pd.DataFrame) -> alt.TopLevelMixin:
         y=alt.Y("samples:Q", title="samples (distinct prompts) spent"),
         color=alt.Color("decision:N", scale=alt.Scale(domain=["safe", "unsafe", "inconclusive"],
                                                       range=["#2a9d5c", "#c0392b", "#999999"])),
-        tooltip=["cell", "samples", "decision", "decided_at", "drop_points", "drop_low", "drop_high"],
+        tooltip=["cell", "samples", "decision", "decided_at", *[k for k in ("drop_points", "drop_low", "drop_high",
+                 "kl_mean_nats", "kl_low", "kl_high") if k in data]],
     ).properties(width=640, height=220)
 
 
@@ -48,7 +49,8 @@ def spent(c: pd.DataFrame) -> pd.DataFrame:
 
 
 def per_cell(c: pd.DataFrame) -> pd.DataFrame:
-    out = c[[*KEYS, "samples", "cap", "decision", "decided_at", "decided_round", "drop_points", "drop_low", "drop_high",
+    out = c[[*KEYS, "samples", "cap", "decision", "decided_at", "decided_round",
+             *[k for k in ("drop_points", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high") if k in c],
              "e_safe", "e_unsafe", "ebh"]].copy()
     out["why open"] = [why_open(r) if r["decision"] == "inconclusive" else "" for _, r in c.iterrows()]
     return out.rename(columns={"cap": "max samples", "decided_at": "decided at sample", "decided_round": "in round",
@@ -69,7 +71,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"every decision are betting confidence sequences over samples in draw order (kvlab.anytime): at each cell's "
         f"threshold, the chance of calling a method safe whose true drop is at least {rule.tolerance_points:g} points, or "
         f"unsafe when it is at most that, is at most {ALPHA:.0%} at every n at once, so the rule that stopped the job "
-        f"cannot bias them. A cell that loses no answer is decided safe after 63 samples.</p>"
+        f"cannot bias them. A cell that loses no answer is decided safe after 63 samples. Prose cells are decided the "
+        f"same way on their per-sample KL against {rule.kl_safe:g} nat, a range assumed: each sample's KL at most "
+        f"{rule.kl_cap_ratio:g} × the threshold (a cell with one above it is never called safe); a KL near 0 is safe "
+        f"after 15 samples.</p>"
         f"<p><b>Across the table:</b> {len(decided)} of {len(c)} scored cells are decided "
         f"({int((c['decision'] == 'safe').sum())} safe, {int((c['decision'] == 'unsafe').sum())} unsafe). Each decision "
         f"holds its own {ALPHA:.0%} level; taken together, if every one of them were a true null, chance alone would "

@@ -25,6 +25,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     return ("<p>Each claim of the study with its verdict on this run, the number behind it and the "
             "rule used; `query` names the SQL (shown under the sections below) whose rows decide it. A claim about "
             "sampled answers or KL holds or does not hold only when its one-sided 95% bounds say so (accuracy "
-            "drops: the betting confidence sequence over paired samples, valid under early stopping; KL: bootstrap "
-            "over samples at a fixed n); otherwise it is inconclusive, with n and the bounds in its evidence.</p>"
+            "drops: the betting confidence sequence over paired samples, valid under early stopping; KL against a "
+            "threshold: the same sequence over the per-sample KL clipped to a range, whose upper bound assumes no "
+            "sample exceeds it, and a sample that does leaves no upper bound; the eviction claim on sinks, a difference "
+            "of KLs: bootstrap over samples at a fixed n); otherwise it is inconclusive, with n and the bounds in its evidence.</p>"
             f"<p><b>{tally(frame)}.</b></p>" + table(frame))

@@ -18,15 +18,16 @@ def rule_text(rule: Rule) -> str:
         f"a method is <b>safe</b> at a budget when the one-sided 95% upper bound of its accuracy drop vs the full "
         f"cache on the same samples is at most {rule.tolerance_points:g} points (config <code>decision.tolerance_points</code>), "
         f"<b>unsafe</b> when the lower bound reaches it, and <b>inconclusive</b> otherwise; on prose, with no answers "
-        f"to score, the same rule holds for its per-token KL against {rule.kl_safe:g} nat (from at least "
-        f"{rule.kl_min_samples} samples). Bounds of a drop: a betting confidence sequence over the per-sample paired "
+        f"to score, the same rule holds for its per-token KL against {rule.kl_safe:g} nat (config "
+        f"<code>decision.kl_safe</code>). Bounds of a drop: a betting confidence sequence over the per-sample paired "
         f"drops in draw order (kvlab.anytime; turns of a sample averaged first), valid at every n at once, so the "
         f"evaluation jobs' early stopping keeps each decision's error at most 5%: a method whose true drop is at least "
-        f"the tolerance is called safe, or one whose drop is at most it unsafe, in at most 5% of cells. Prose KL: "
-        f"percentile bootstrap over samples at a fixed n (prose jobs never stop early); a mean of unbounded, "
-        f"right-skewed per-sample KL has no distribution-free bound, and this one's level is not guaranteed at "
-        f"small n (a skewed KL near the threshold is called safe more often than 5%), so read a KL verdict from few "
-        f"samples as indicative. Accuracy intervals: Wilson 95%"
+        f"the tolerance is called safe, or one whose drop is at most it unsafe, in at most 5% of cells. Bounds of a "
+        f"KL: the same betting sequence over the per-sample KL clipped to {rule.kl_cap_ratio:g} × the threshold "
+        f"(<code>decision.kl_cap_ratio</code>). Clipping only lowers a KL, so the lower bound (unsafe) keeps its 5% "
+        f"for any KL; a mean of unbounded KL has no distribution-free upper bound, so the upper bound (safe) keeps it "
+        f"when no sample's KL exceeds the cap, and a cell with a sample above it is never called safe. "
+        f"Accuracy intervals: Wilson 95%"
     )
 
 
@@ -44,7 +45,8 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + table(decision_table(rows, rule))
         + "<h3>Every cell</h3><p class='note'>Per method and budget: accuracy with its Wilson 95% interval over the "
         "answers, the drop vs the full cache in points with its one-sided 95% bounds (the betting confidence "
-        "sequence over samples), or the mean per-sample KL with its bootstrap bounds; n_to_decide: samples in all "
+        "sequence over samples), or the mean per-sample KL with its betting bounds (kl_high blank: a sample above the "
+        "cap); n_to_decide: samples in all "
         "that would decide an inconclusive cell if its samples went on alike (at the best constant stake: a low "
         "estimate); decided_at: the sample at which its bound decided it (the next section shows where the answers "
         "went).</p>"

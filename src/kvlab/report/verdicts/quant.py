@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample, shown, wilson
+from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, kl_bounds, per_sample, shown, wilson
 from kvlab.report.tables import where
 
 
@@ -15,9 +15,10 @@ def _prose(q: dict) -> pd.DataFrame:
     return a[a["kl_vs_full"].notna() & (a["budget"] == 1)]
 
 
-def _kl_cells(rows: pd.DataFrame, t) -> list[tuple[str, int, object]]:
-    """(method, prefix tokens, bounds of the mean per-sample KL) per method and prefix length."""
-    return [(method, ctx, mean_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"], t.rule.kl_min_samples))
+def _kl_cells(rows: pd.DataFrame, t, threshold: float) -> list[tuple[str, int, object]]:
+    """(method, prefix tokens, betting bounds of the mean per-sample KL tested at `threshold`) per method and prefix
+    length (kvlab.report.stats.kl_bounds)."""
+    return [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold, t.rule.kl_cap_ratio))
             for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
 
 
@@ -27,7 +28,7 @@ def _each(cells) -> str:
 
 def c3(q: dict, t) -> list[tuple[str, str, str]]:
     """FP8's mean per-token KL on prose at most `t.kl` at every prefix length (upper bound)."""
-    fp8 = _kl_cells(where(_prose(q), scheme="fp8"), t)
+    fp8 = _kl_cells(where(_prose(q), scheme="fp8"), t, t.kl)
     if not fp8:
         return [("", "not measured", "no fp8 method in this run")]
     return [("", all_of([at_most(b, t.kl) for _, _, b in fp8]), f"{_each(fp8)}.{floor_text(q, t.rule)}")]
@@ -36,8 +37,8 @@ def c3(q: dict, t) -> list[tuple[str, str, str]]:
 def c4(q: dict, t) -> list[tuple[str, str, str]]:
     """2-bit KIVI: keys per channel at most `t.holds_kl`, keys per token at least `t.collapse_kl` (bounds)."""
     prose = _prose(q)
-    chan = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="channel", value_axis="token", policy="kivi"), t)
-    tok = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="token", value_axis="token", policy="kivi"), t)
+    chan = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="channel", value_axis="token", policy="kivi"), t, t.holds_kl)
+    tok = _kl_cells(where(prose, scheme="kivi", bits=2, key_axis="token", value_axis="token", policy="kivi"), t, t.collapse_kl)
     if not chan or not tok:
         return [("", "not measured", "needs 2-bit kivi with key_axis channel and token")]
     verdict = all_of([at_most(b, t.holds_kl) for *_, b in chan] + [at_least(b, t.collapse_kl) for *_, b in tok])
