@@ -103,12 +103,64 @@ def test_preset_replaces_top_level_keys(config):
     assert out["methods"]["streaming_llm"]["kwargs"] == {"n_sink": "calibrated"}
 
 
+def test_every_preset_expands_as_before_overlays(config):
+    """Presets became overlays (extends, replace, methods_add / _drop / _tasks, key-by-key merge) in place of whole
+    top-level keys. Each preset's effective config (validated, defaults filled) equals the one the whole-key presets
+    gave, stored in tests/data/presets_expanded.json. Changing a preset on purpose changes this file: rewrite it with
+    python -c "import json, yaml; from kvlab.config import expand; c = yaml.safe_load(open('config.yaml'));
+    json.dump({n: expand(c, 'workflow/config.schema.yaml', n) for n in ['default', *c['presets']]},
+    open('tests/data/presets_expanded.json', 'w'), sort_keys=True, indent=0)"."""
+    import json
+
+    from kvlab.config import expand
+
+    before = json.loads((ROOT / "tests" / "data" / "presets_expanded.json").read_text())
+    assert set(before) == {"default", *config["presets"]}
+    for name, old in before.items():
+        assert json.loads(json.dumps(expand(config, SCHEMA, name), sort_keys=True)) == old, name
+
+
+def test_overlays_add_drop_retask_merge_and_extend(config):
+    """A preset of a user's own: from the workload preset, one method more, one less, one on other tasks; a nested
+    key merged (sequential.round kept) and a replaced one."""
+    config["presets"]["mine"] = {"extends": "workload", "methods_add": {"int8": {"kind": "quant", "scheme": "int8"}},
+                                 "methods_drop": ["streaming_llm"], "methods_tasks": {"kivi4": ["qa_mix"], "kivi2": ["qa_mix"]},
+                                 "sequential": {"max_samples": 24}, "replace": ["dtype_floor"],
+                                 "dtype_floor": {"samples": 2, "tasks": ["qa_mix"]}}
+    out = resolve({**config, "preset": "mine"}, SCHEMA)
+    workload = resolve({**config, "preset": "workload"}, SCHEMA)
+    assert list(out["methods"]) == [m for m in workload["methods"] if m != "streaming_llm"] + ["int8"]
+    assert out["methods"]["kivi4"]["tasks"] == ["qa_mix"] and "tasks" not in out["methods"]["snapkv"]
+    assert out["sequential"] == {**workload["sequential"], "max_samples": 24}
+    assert out["dtype_floor"] == {"samples": 2, "tasks": ["qa_mix"]} and out["tasks"] == workload["tasks"]
+
+
+@pytest.mark.parametrize("preset, message", [
+    ({"methods_drop": ["nope"]}, "preset 'mine': key 'methods_drop': no method 'nope' to drop; methods here: full, snapkv"),
+    ({"methods_add": {"fp8": {"kind": "full"}}}, "preset 'mine': key 'methods_add.fp8': method 'fp8' exists already; change its tasks"),
+    ({"methods_tasks": {"nope": "all"}}, "preset 'mine': key 'methods_tasks.nope': no method 'nope'; methods here: full"),
+    ({"methods_tasks": {"fp8": ["nope"]}}, "preset 'mine': key 'methods.fp8.tasks': no task 'nope'; configured tasks: niah_single"),
+    ({"extends": "nope"}, "preset 'mine': key 'extends': unknown preset 'nope'; allowed: default, study"),
+    ({"extends": "mine"}, "preset 'mine': presets extend each other in a circle (mine → mine); one of them must extend default"),
+    ({"replace": ["tasks"]}, "preset 'mine': key 'replace': ['tasks']; it must list config keys this preset sets"),
+    ({"methods_drop": "fp8"}, "preset 'mine': key 'methods_drop': 'fp8'; it must be a list of method names"),
+    ({"method_add": {}}, "preset 'mine': unknown key 'method_add' at top level; allowed: benchmark,"),
+])
+def test_a_bad_overlay_is_one_line(config, preset, message):
+    config["presets"]["mine"] = preset
+    with pytest.raises(ConfigError) as error:
+        resolve(config, SCHEMA)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    if "unknown key" in message:
+        assert str(error.value).endswith("; and a preset's own: extends, replace, methods_add, methods_drop, methods_tasks")
+
+
 def edit(config, path, value):
     """Set (or delete) the value at `path`; a method or task only the study preset defines is first added to the
     default's."""
     study = config["presets"]["study"]
     if path[0] in ("methods", "tasks") and len(path) > 2 and path[1] not in config[path[0]]:
-        config[path[0]][path[1]] = copy.deepcopy(study[path[0]][path[1]])
+        config[path[0]][path[1]] = copy.deepcopy({**study.get(path[0], {}), **study.get(f"{path[0]}_add", {})}[path[1]])
     node = config
     *head, last = path
     for key in head:

@@ -17,7 +17,7 @@ from kvlab.full_shape import derive, job_peaks, write_config
 
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
 CONFIG = yaml.safe_load((ROOT / "config.yaml").read_text())
-FULL = {**CONFIG, **CONFIG["presets"]["full"]}  # the preset as the pipeline applies it: its keys replace the top level
+FULL = CONFIG["presets"]["full"]  # the preset as written (its tasks replace the top level's; it sets no methods)
 
 
 def test_derived_config_is_the_full_preset_on_the_tiny_model():
@@ -45,6 +45,7 @@ def test_derived_config_follows_the_preset():
     preset = config["presets"]["full"]
     preset["tasks"]["niah_single"]["context_tokens"] = [65536]
     preset["methods"] = {"full": {"kind": "full"}, "fp8": {"kind": "quant", "scheme": "fp8"}}
+    preset["replace"] = [*preset["replace"], "methods"]
     preset["budgets"] = [0.3]
     derived = resolve(derive(config), SCHEMA)
     assert derived["tasks"]["niah_single"]["context_tokens"] == [65536]

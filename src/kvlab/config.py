@@ -70,13 +70,87 @@ def check_yaml(path: str | Path, overlay: bool = False) -> None:
             stack.append(((*keys, key), value_node))
 
 
+OVERLAY = ("extends", "replace", "methods_add", "methods_drop", "methods_tasks")  # a preset's own keys (not config keys)
+
+
 def with_preset(config: dict, name: str) -> dict:
-    """A copy of `config` without its presets, preset `name`'s keys replacing the top-level ones (whole values,
-    not merged; `default` changes nothing), and `preset` set to `name`. Not validated: see `resolve`."""
+    """A copy of `config` without its presets, preset `name` laid over it, and `preset` set to `name`. Not
+    validated: see `resolve`.
+
+    A preset is an overlay. It starts from preset `extends` (default: preset `default`, the top-level config with
+    whatever `presets.default` changes);
+    `methods_drop` (names) removes methods, `methods_add` (name: spec) adds new ones, `methods_tasks` (name: tasks,
+    or `all` for every task) sets a method's `tasks`; every other key is merged into the config key by key (mappings
+    recursively; a list or a value replaces), except the keys named in `replace`, whose value replaces the config's
+    whole. A name that does not exist where it must, or exists where it must not, is one ConfigError line."""
+    presets = config.get("presets") or {}
     out = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
-    out.update(copy.deepcopy((config.get("presets") or {}).get(name, {})))
+    chain, at = [], name
+    while at != "default":
+        if at not in presets:
+            where = f"preset '{chain[-1]}': key 'extends'" if chain else "config: key 'preset'"
+            raise ConfigError(f"{where}: unknown preset '{at}'; allowed: " + ", ".join(dict.fromkeys(["default", *presets])))
+        if at in chain:
+            raise ConfigError(f"preset '{name}': presets extend each other in a circle ({' → '.join([*chain, at])}); "
+                              "one of them must extend default")
+        chain.append(at)
+        at = (presets[at] or {}).get("extends", "default")
+    for each in ["default", *reversed(chain)]:  # preset default, if the config gives one, lies under every other
+        out = overlay(out, presets.get(each) or {}, f"preset '{each}'")
     out["preset"] = name
     return out
+
+
+def overlay(config: dict, preset: dict, where: str) -> dict:
+    """`preset`'s changes applied to a copy of `config` (see with_preset)."""
+    out = copy.deepcopy(config)
+    replace = preset.get("replace", [])
+    if not isinstance(replace, list) or any(key not in preset or key in OVERLAY for key in replace):
+        raise ConfigError(f"{where}: key 'replace': {replace!r}; it must list config keys this preset sets, whose "
+                          "values then replace the config's whole")
+    for key, value in preset.items():
+        if key not in OVERLAY:
+            out[key] = copy.deepcopy(value) if key in replace else _merged(out.get(key), value)
+    methods = out.setdefault("methods", {})
+    for m in _names(preset, "methods_drop", where):
+        if m not in methods:
+            raise ConfigError(f"{where}: key 'methods_drop': no method '{m}' to drop; methods here: {', '.join(methods)}")
+        del methods[m]
+    for m, spec in _mapping(preset, "methods_add", where).items():
+        if m in methods:
+            raise ConfigError(f"{where}: key 'methods_add.{m}': method '{m}' exists already; change its tasks with "
+                              "methods_tasks, or drop it first with methods_drop")
+        methods[m] = copy.deepcopy(spec)
+    for m, each in _mapping(preset, "methods_tasks", where).items():
+        if m not in methods:
+            raise ConfigError(f"{where}: key 'methods_tasks.{m}': no method '{m}'; methods here: {', '.join(methods)}")
+        if each == "all":
+            methods[m].pop("tasks", None)
+        else:
+            methods[m]["tasks"] = copy.deepcopy(each)
+    return out
+
+
+def _merged(base, change):
+    """`change` merged into `base`: mappings key by key, recursively; anything else replaces."""
+    if not (isinstance(base, dict) and isinstance(change, dict)):
+        return copy.deepcopy(change)
+    return {**base, **{k: _merged(base.get(k), v) for k, v in change.items()}}
+
+
+def _names(preset: dict, key: str, where: str) -> list:
+    value = preset.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: key '{key}': {value!r}; it must be a list of method names")
+    return value
+
+
+def _mapping(preset: dict, key: str, where: str) -> dict:
+    value = preset.get(key, {})
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: key '{key}': {value!r}; it must map method names to "
+                          + ("their specs" if key == "methods_add" else "a list of tasks, or all"))
+    return value
 
 
 def resolve(config: dict, schema_path: str | Path) -> dict:
@@ -95,7 +169,12 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     resolved = None
     for pname in ["default", *presets]:
         candidate = with_preset(config, pname)
-        _validate(candidate, schema, schema_path, where=f"preset '{pname}'")
+        try:
+            _validate(candidate, schema, schema_path, where=f"preset '{pname}'")
+        except ConfigError as error:
+            if "at top level; allowed:" not in str(error):
+                raise
+            raise ConfigError(f"{error}; and a preset's own: {', '.join(OVERLAY)}") from None
         _derive(candidate)
         _check_semantics(candidate, where=f"preset '{pname}'")
         if pname == name:
@@ -269,12 +348,27 @@ CALIBRATION_TABLES = (
 )  # what the calibrate rule writes per model (see kvlab.calibrate)
 
 
-if __name__ == "__main__":  # python -m kvlab.config FILE...: the strict read of config files, with line and column
+def expand(config: dict, schema_path: str | Path, name: str) -> dict:
+    """Preset `name`'s effective config: laid over the top level (with_preset), validated, defaults filled, derived
+    values added; without the presets themselves."""
+    out = resolve({**config, "preset": name}, schema_path)
+    out.pop("presets")
+    return out
+
+
+if __name__ == "__main__":  # python -m kvlab.config FILE... | --expand PRESET [FILE]
     import sys
 
+    args = sys.argv[1:]
     try:
-        for arg in sys.argv[1:]:
+        if args[:1] == ["--expand"] and len(args) in (2, 3):
+            path = Path(args[2] if len(args) == 3 else "config.yaml")
+            check_yaml(path)
+            schema = Path(__file__).resolve().parents[2] / "workflow" / "config.schema.yaml"
+            print(yaml.safe_dump(expand(yaml.safe_load(path.read_text()), schema, args[1]), sort_keys=False), end="")
+            sys.exit(0)
+        for arg in args:
             check_yaml(arg)
     except ConfigError as error:
         sys.exit(f"kvlab config: {error}")
-    print(f"{len(sys.argv) - 1} file(s) read: no duplicate keys, no syntax errors")
+    print(f"{len(args)} file(s) read: no duplicate keys, no syntax errors")

@@ -31,8 +31,8 @@ TINY = {"source": "tiny", "architecture": "qwen2", "layers": 2, "hidden_size": 6
 
 
 def derive(config: dict, preset: str = PRESET) -> dict:
-    """`config` (config.yaml as read, presets included) with `preset` applied as the pipeline applies it (each key
-    replaces the top-level one), then made to run on a CPU: the tiny model (positions enough for the longest
+    """`config` (config.yaml as read, presets included) with `preset` applied as the pipeline applies it (an overlay,
+    kvlab.config.with_preset), then made to run on a CPU: the tiny model (positions enough for the longest
     context and its decoding), cpu, float32, one sample per task cell (no rounds)."""
     presets = config.get("presets") or {}
     if preset not in presets:
