@@ -59,6 +59,10 @@ def test_sections_and_queries_present(page):
     assert c3.startswith("C3 FP8 KL ≈ 1e-3 nat: inconclusive</b> — fp8 ")
     high = float(re.search(r"nat \[0, ([0-9.e-]+)\], n=3 at 256", c3).group(1))
     assert 0.01 < high <= 0.05
+    composed = page[page.index("<h2>Compositions: eviction"):]
+    composed = composed[:composed.index("<h2>", 10)]
+    for route in ("mixed precision (MiKV)", "eviction, then quantization", "quantization", "eviction"):
+        assert f"<td>{route}</td>" in composed  # MiKV on the smoke run's composition curve, beside its parts
     claims = re.findall(r"<tr><td[^>]*>(C\d+)\b", page[page.index("<h2>Claims</h2>"):page.index("<h2>Decision table")])
     assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 18)} <= set(claims)
 

@@ -6,7 +6,8 @@ published, scoring at every decoding step), and the quantized caches ``quant`` (
 ``kvlab.methods.schemes``; it composes with a press), ``hf_quantized`` (``kvlab.methods.quantized``) and
 ``block_sparse`` (``kvlab.methods.block_sparse``: decode-time block selection over a cache kept whole) and
 ``cross_layer`` (``kvlab.methods.cross_layer``: layers reading an earlier layer's K/V, CLA post hoc) and
-``prompt_compression`` (``kvlab.methods.prompt``: LLMLingua-style token dropping before the prompt is cached). A
+``prompt_compression`` (``kvlab.methods.prompt``: LLMLingua-style token dropping before the prompt is cached) and
+``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision). A
 method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
 (a `MethodKind`), one line in `KINDS`, and its branch in workflow/config.schema.yaml (README "Add a method").
 """
@@ -20,10 +21,12 @@ from kvlab.methods.base import Full, KVPress, MethodKind
 from kvlab.methods.block_sparse import BlockSparse
 from kvlab.methods.cross_layer import CrossLayer
 from kvlab.methods.h2o import H2O
+from kvlab.methods.mikv import MiKV
 from kvlab.methods.prompt import PromptCompression
 from kvlab.methods.quantized import HFQuantized, Quant
 
-KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Quant, HFQuantized, BlockSparse, CrossLayer, PromptCompression)}
+KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Quant, HFQuantized, BlockSparse, CrossLayer, PromptCompression,
+                                                          MiKV)}
 
 
 def kind_of(spec: dict) -> MethodKind:

@@ -5,7 +5,7 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, allocation, bytes_measured, calibration, claims, context_length, cost_article, cost_models, cost_reads, decision, divergence, engine,
+    accuracy, allocation, bytes_measured, calibration, claims, composition, context_length, cost_article, cost_models, cost_reads, decision, divergence, engine,
     eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, summary, tasks, throughput,
     verdict_grid,
 )
@@ -23,6 +23,7 @@ SECTIONS = [
     eviction,
     posthoc,
     prompt,
+    composition,
     calibration,
     quant,
     divergence,
