@@ -48,6 +48,7 @@ lint: setup
 	$(BIN)/ruff check src kernels tests workflow
 	$(BIN)/snakefmt --check Snakefile rules
 	$(BIN)/snakemake --lint
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf results logs .snakemake

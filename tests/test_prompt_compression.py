@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlab.engine import Batch, cache_stats, compress, prefill
+from kvlab.engine.compress import SERVICES
 from kvlab.engine.prefill import self_information
 from kvlab.methods import Variant
 from kvlab.methods.prompt import PromptCompression, information, kept_positions
@@ -35,7 +36,7 @@ def test_self_information_is_the_models_next_token_loss(tiny, cut):
         whole = prefill(model, ids[cut:], past=context)
         assert whole.parent is context and whole.hidden.shape[0] == len(ids)
         info = self_information(model, context, chunk=64) + self_information(model, whole, start=cut, chunk=64)
-        shared = information(model, whole)  # the context's scores computed once, and kept on it
+        shared = information(model, whole, SERVICES)  # the context's scores computed once, and kept on it
         torch.testing.assert_close(torch.tensor(shared), torch.tensor(info), rtol=1e-5, atol=1e-5)
         assert context.shared["self_information"] == shared[:cut]
     with torch.no_grad():

@@ -1,6 +1,8 @@
 """An evaluation job's rounds (kvlab.sequential, kvlab.evaluate.run_job) on the tiny model: decided cells stop, the
 prompts go on to open ones, the draw order only grows, and two runs give the same rows."""
 
+import re
+
 import pandas as pd
 from kvlab.evaluate import draw_samples, run_job
 from kvlab.report.stats import drop_bounds, per_sample
@@ -133,3 +135,19 @@ def test_prose_runs_in_rounds_and_stops_each_cell_on_its_kl_bounds(tmp_path, tin
         assert bool(open_cells(g, 5.0)) == (last == full["round"].max() and full["draw"].max() + 1 == 30)
         if last > 1:
             assert open_cells(g[g["round"] < last], 5.0)  # still open before its last round
+
+
+def test_a_long_batch_reports_progress_on_a_heartbeat(tmp_path, tiny_dir, monkeypatch, caplog):
+    """Within one batch of samples, the job logs its progress every HEARTBEAT_S seconds (30 in a run; 0.02 here): the
+    samples in progress, rows so far, rows per second and time left."""
+    import logging
+
+    import kvlab.evaluate
+
+    monkeypatch.setattr(kvlab.evaluate, "HEARTBEAT_S", 0.02)
+    with caplog.at_level(logging.INFO, logger="kvlab.evaluate"):
+        job(tmp_path, "a", tiny_dir, max_samples=4, tolerance=60)
+    beats = re.findall(r"samples (\d+)-(\d+)/4 in progress: (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, "
+                       r"(~\d+ s left at most|time left known after the first batch)", caplog.text)
+    assert beats and beats[0][3] == "time left known after the first batch"
+    assert any(left.startswith("~") for *_, left in beats)  # after the first batch: an estimate

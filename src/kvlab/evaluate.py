@@ -4,7 +4,9 @@ Writes one Parquet file, one row per (sample, variant, question mode)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
@@ -71,6 +73,36 @@ def progress(done: int, total: int, rows: int, elapsed: float) -> str:
             f"~{left:.0f} s left at most")
 
 
+HEARTBEAT_S = 30.0  # a job logs its progress at least this often, however long one batch of samples takes
+
+
+@contextmanager
+def heartbeat(line):
+    """Log `line()` every HEARTBEAT_S seconds from a background thread while the block runs (the log file and the
+    terminal both get it: kvlab.io.log_to)."""
+    every, stop = HEARTBEAT_S, threading.Event()
+
+    def beat():
+        while not stop.wait(every):
+            log.info("%s", line())
+
+    thread = threading.Thread(target=beat, name="kvlab-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def working(first: int, last: int, total: int, done: int, rows: int, elapsed: float) -> str:
+    """The heartbeat's line: the samples in progress, rows so far (those of finished samples of the batch too), rows
+    per second and, once a batch has finished, time left at most (the rest of the samples at the pace so far)."""
+    left = f"~{elapsed / done * (total - done):.0f} s left at most" if done else "time left known after the first batch"
+    return (f"samples {first}-{last}/{total} in progress: {rows} rows, {rows / max(elapsed, 1e-9):.2f} rows/s, "
+            f"{elapsed:.0f} s elapsed, {left}")
+
+
 def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
     """The job's prompts in draw order, as many as it may reach (kvlab.sequential.planned), and how many the first
     round takes (the task's `samples` per grid point)."""
@@ -101,6 +133,8 @@ def run_job(
     (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
     and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
     `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
+    Progress goes to the log after each batch of samples and, from a heartbeat thread, at least every HEARTBEAT_S
+    seconds within one (rows so far, rows per second, time left).
     After each chunk of samples the job saves a checkpoint beside `out_path` (kvlab.resume); a rerun of the same job
     continues from it and writes the rows an uninterrupted run would (timing columns aside).
     """
@@ -152,8 +186,15 @@ def run_job(
                 chunk = samples[start : min(end, start + at_once)]
                 noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
                 in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
-                found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
-                                         other=other if in_dtype else None, other_samples=in_dtype, open_modes=still)
+                in_batch = [0]  # rows of this batch's finished samples, as the engine reports them
+
+                def line(first=start + 1, last=start + len(chunk), before=done):
+                    return working(first, last, len(samples), before, len(rows) + in_batch[0], time.perf_counter() - t0)
+
+                with heartbeat(line):
+                    found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
+                                             other=other if in_dtype else None, other_samples=in_dtype, open_modes=still,
+                                             on_rows=lambda n: in_batch.__setitem__(0, in_batch[0] + n))
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
                 rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
                 done = start + len(chunk)

@@ -104,18 +104,3 @@ def log_peak_rss() -> None:
     kernel's figure for children says nothing of their own use."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     logging.getLogger("kvlab").info("%s %.1f MB", PEAK_RSS, peak)
-
-
-def run_settings(smk) -> dict:
-    """A measuring job's `run` dict: the rule's params, its threads, `dtype: auto` resolved on the machine that
-    runs the job (kvlab.hardware.compute_dtype), and methods with calibrated values filled in from the job's
-    calibration input (when it has one)."""
-    from kvlab.hardware import compute_dtype
-    from kvlab.methods import with_calibration
-
-    run = dict(smk.params.run, threads=smk.threads)
-    run["dtype"] = compute_dtype(run["dtype"], run["device"])
-    calibration = list(smk.input.get("calibration", []))
-    if calibration:
-        run["methods"] = with_calibration(run["methods"], Path(calibration[0]).parent)
-    return run

@@ -14,8 +14,10 @@ as it would alone (tests/test_engine.py checks the predictions against one-varia
 
 Modules, each using only those listed below it: `sample` (rows per question mode and turn), `decode` (greedy
 decoding, teacher forcing, divergence), `batch` (Rows and Batch), `compress` (a compressed copy, cache stats),
-`prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks), `model`
-(layers, sliding layers, projections, stop ids).
+`prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks); below them
+`kvlab.models.structure` (layers, sliding layers, projections, stop ids), which method kinds use too. The engine
+calls the kinds through `kvlab.methods.base` (MethodKind, Variant) and lends them its services (`compress.SERVICES`);
+no kind imports the engine (the import contract in pyproject.toml).
 """
 
 from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
@@ -24,7 +26,7 @@ from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.decode import (
     Verified, decode_references, divergence, dtype_floor, first_divergence, greedy_decode, noise_floor, stepped, stepwise, teacher_forced, verified_decode,
 )
-from kvlab.engine.model import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
+from kvlab.models.structure import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
 from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
 from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_samples
 

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvlab.engine.model import attention_layers, queries
+from kvlab.models.structure import attention_layers, queries
 from kvlab.kernels import decode_attention
 from kvlab.kernels.layer import KVLayer, wants_query
 

@@ -11,7 +11,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 
 from kvlab.engine.attention import per_layer_masks, query_hooks, reading
 from kvlab.engine.compress import held_tokens
-from kvlab.engine.model import is_sliding
+from kvlab.models.structure import is_sliding
 from kvlab.engine.prefill import KVCache, shallow_copy
 from kvlab.kernels import decode_attention, kvcache
 from kvlab.kernels import stream as kvstream

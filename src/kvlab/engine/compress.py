@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 from transformers.cache_utils import QuantizedLayer
 
-from kvlab.engine.model import attention_layers, is_sliding, language_model
-from kvlab.engine.prefill import Prefilled, shallow_copy
+from kvlab.models.structure import attention_layers, is_sliding, language_model
+from kvlab.engine.prefill import Prefilled, prefill, self_information, shallow_copy
 from kvlab.kernels import kvcache, layouts
 from kvlab.kernels.layer import KVLayer, Masked, hidden_entries
 from kvlab.methods import Variant, layer_budgets
+
+
+SERVICES = SimpleNamespace(prefill=prefill, self_information=self_information, shallow_copy=shallow_copy)  # lent to kinds
 
 
 @torch.no_grad()
@@ -55,7 +60,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 cache.layers[idx] = Masked(layer.keys, layer.values, masked)
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
-    variant.impl.apply(model, cache, base, variant, sliding)
+    variant.impl.apply(model, cache, base, variant, sliding, SERVICES)
     return cache
 
 

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.batch import Batch
-from kvlab.engine.model import is_sliding, stop_ids
+from kvlab.models.structure import is_sliding, stop_ids
 from kvlab.kernels import stream as kvstream
 from kvlab.kernels.layer import own_layout
 

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache
 
-from kvlab.engine.model import attention_layers
+from kvlab.models.structure import attention_layers
 
 
 @dataclass

@@ -78,7 +78,7 @@ def evaluate_sample(
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
     kl: bool = True, noise_samples: int | None = None, other=None, other_samples: int | None = None,
-    open_modes: dict | None = None,
+    open_modes: dict | None = None, on_rows=None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -99,7 +99,8 @@ def evaluate_samples(
     compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
     (`decode.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
     None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
-    for the compressions that give one of its modes (it still gets every row those compressions give).
+    for the compressions that give one of its modes (it still gets every row those compressions give). `on_rows`, if
+    given, is called with the number of rows each sample added as soon as they exist (a job's progress lines).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -120,8 +121,11 @@ def evaluate_samples(
     for i, pl in enumerate(plans):
         before = len(pending)
         wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
-        rows += _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
+        found = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
                       reference_s, pending if wanted_here else None, open_modes)
+        rows += found
+        if on_rows is not None:
+            on_rows(len(found))
         owner += [i] * (len(pending) - before)
     _fill(pending, [measured(noise_samples, i) for i in owner], lambda todo: noise_floor(model, [r for r, _, _ in todo]), "noise_s")
     if other is not None:

@@ -15,6 +15,7 @@ method that evicts runs at every budget; one that does not runs once, at budget 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvlab.methods.base import Full, KVPress, MethodKind
@@ -43,8 +44,9 @@ class Variant:
     budget: float  # fraction of the context's KV entries kept (1.0 for full)
     params: dict = field(default_factory=dict)
 
-    @property
+    @cached_property
     def impl(self) -> MethodKind:
+        """The kind object, built once per variant (the engine and the accounting ask it often)."""
         return KINDS[self.kind](self.params)
 
     @property
@@ -112,7 +114,7 @@ def with_calibration(methods: dict, calibration_dir) -> dict:
     (FP8 scales, KVQuant grids) get the folder as `calibration`."""
     from pathlib import Path
 
-    from kvlab.io import read_parquet
+    from pandas import read_parquet  # kvlab.io lies below the method kinds, but this module imports it not at all
 
     out = {}
     for name, spec in methods.items():

@@ -14,11 +14,22 @@ snakemake start) constructs kinds without loading them.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-# (key under the method entry, what is wrong and what would be right): config validation adds the file and path
-Problem = tuple[str, str] | None
+from kvlab.methods.press import Problem, press_problem
 NO_STORAGE = {"scheme": None, "bits": None, "key_axis": None, "value_axis": None, "policy": None}
+
+
+class Services(Protocol):
+    """What the engine lends a kind's `apply` beyond the cache (kvlab.engine.compress.SERVICES), so that no kind
+    imports the engine: a prefill of token ids (continuing `past`, a Prefilled), the self-information of a
+    prefill's tokens from `start` on, and a copy of a cache that shares its tensors."""
+
+    def prefill(self, model, ids: list[int], past=None): ...
+
+    def self_information(self, model, base, start: int = 0) -> list[float]: ...
+
+    def shallow_copy(self, cache): ...
 
 
 class MethodKind:
@@ -52,8 +63,6 @@ class MethodKind:
     def problem(self) -> Problem:
         """The first problem of the entry that the schema cannot express, or None. A press's own checks are
         made here for every kind that takes one (`kvlab.methods.press.press_problem`)."""
-        from kvlab.methods.press import press_problem
-
         return press_problem(self.params) if "press" in self.params else None
 
     def needs_calibration(self) -> bool:
@@ -65,9 +74,9 @@ class MethodKind:
         """Row columns: how kept entries are stored (scheme, bits per element, KIVI-style axes)."""
         return dict(NO_STORAGE)
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Change a copy of the prefilled cache (`base`: engine.Prefilled) after any press evicted from it; leave
-        the layers where `sliding` is True (sliding-window layers) alone."""
+        the layers where `sliding` is True (sliding-window layers) alone; `services`: what the engine lends."""
 
     def layouts(self, head_dim: int):
         """(key, value) `kvlab.kernels.layouts.TensorCodes` of a layer of codes, for the byte formula; None

@@ -9,7 +9,7 @@ among them. Rows keep ``compression_vs_bf16`` at 1 (nothing is freed) and record
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 
 
 class BlockSparse(MethodKind):
@@ -27,7 +27,7 @@ class BlockSparse(MethodKind):
     def top_k(self, budget: float, context: int) -> int:
         return max(1, round(budget * context / self.params["block"]))
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Every full-attention layer of `cache` (a copy of the full prefill) becomes a block-sparse layer."""
         from kvlab.kernels.block_sparse import BlockSparseLayer
 

@@ -9,7 +9,7 @@ share and such rows show it beside the measured bytes.
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 
 
 class CrossLayer(MethodKind):
@@ -23,7 +23,7 @@ class CrossLayer(MethodKind):
         storing = -(-geom.layers // self.params["every"])
         return super().formula_bytes(geom, dtype, 1.0, tokens, held) * storing // geom.layers
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Every full-attention layer that is not the first of its group becomes a layer sharing that first
         layer's keys and values, when that one is full-attention too."""
         from kvlab.kernels.cross_layer import SharedLayer

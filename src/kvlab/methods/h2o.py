@@ -9,7 +9,7 @@ computed from the captured attention inputs; decoding adds each new query's atte
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 
 
 class H2O(MethodKind):
@@ -21,12 +21,12 @@ class H2O(MethodKind):
     def evicts(self) -> bool:
         return True
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Replace every full-attention layer of `cache` (a copy of the full prefill `base`) by an H2O layer at
         the variant's budget."""
         import torch
 
-        from kvlab.engine import attention_layers, queries
+        from kvlab.models.structure import attention_layers, queries
         from kvlab.kernels.h2o import H2OLayer, received_attention
 
         modules, recent = attention_layers(model), self.params["recent"]

@@ -16,7 +16,7 @@ MiKV's high tier may be INT8 as well; this kind keeps it in the model's dtype (b
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 from kvlab.methods.schemes.kivi import KIVI
 
 
@@ -53,7 +53,7 @@ class MiKV(MethodKind):
             return key.replace("press", "scorer", 1), message
         return self.low.problem()
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Every full-attention layer of `cache` (the full prefill) as kept tokens in full precision and the rest
         as codes: the scorer press scores each layer's tokens from the prefill's captures, and the top
         budget share per KV head is kept."""
@@ -61,7 +61,7 @@ class MiKV(MethodKind):
 
         import torch
 
-        from kvlab.engine.model import attention_layers, language_model
+        from kvlab.models.structure import attention_layers, language_model
         from kvlab.kernels import kvcache
         from kvlab.methods.press import make_press
 

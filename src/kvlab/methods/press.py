@@ -6,7 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from kvlab import press_source
-from kvlab.methods.base import Problem
+
+# (key under the method entry, what is wrong and what would be right): config validation adds the file and path
+Problem = tuple[str, str] | None
 
 
 def press_problem(params: dict) -> Problem:

@@ -13,7 +13,7 @@ returns text, not the token positions kept under this model's tokenizer, hence t
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 
 
 def kept_positions(info: list[float], span: tuple[int, int], budget: float, length: int) -> list[int]:
@@ -41,46 +41,40 @@ class PromptCompression(MethodKind):
         and question, so the count is the one held."""
         return super().formula_bytes(geom, dtype, 1.0, int(held), held)
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Replace `cache` (a copy of the full prefill `base`) by the prefill of the tokens kept."""
-        from kvlab.engine.prefill import shallow_copy
-
         if any(sliding):
             raise ValueError(f"method '{variant.method}': prompt compression moves positions, which this model's "
                              "sliding-window layers cannot follow in a batch; use a model without them")
-        short = shortened(model, base, variant.budget)
-        cache.layers = shallow_copy(short.cache).layers
+        short = shortened(model, base, variant.budget, services)
+        cache.layers = services.shallow_copy(short.cache).layers
         cache.position_shift = short.length - base.length
 
 
-def information(model, base) -> list[float]:
+def information(model, base, services: Services) -> list[float]:
     """Self-information of every token of `base`, computed once per prefill and shared by every budget. A
     continuation (the question after the context) extends its parent's scores: under a causal model a token's score
     does not depend on what follows it."""
-    from kvlab.engine.prefill import self_information
-
     if "self_information" not in base.shared:
-        known = information(model, base.parent) if base.parent is not None else []
-        base.shared["self_information"] = known + self_information(model, base, start=len(known))
+        known = information(model, base.parent, services) if base.parent is not None else []
+        base.shared["self_information"] = known + services.self_information(model, base, start=len(known))
     return base.shared["self_information"]
 
 
-def shortened(model, base, budget: float):
+def shortened(model, base, budget: float, services: Services):
     """The prefill of the tokens of `base` kept at `budget` (kept in `base.shared`, without captures: nothing
     compresses it further). When the span lies inside the parent prefill (the question-aware prompt continues the
     context), the tokens kept are the parent's plus every later one, so the parent's short prefill is continued
     instead of prefilling the kept context again."""
-    from kvlab.engine.prefill import prefill
-
     key = ("prompt_compression", budget)
     if key not in base.shared:
         span = base.span or (0, base.length)
         parent = base.parent
         if parent is not None and parent.span == base.span and span[1] <= parent.length:
-            short = prefill(model, base.ids[parent.length :], past=shortened(model, parent, budget))
+            short = services.prefill(model, base.ids[parent.length :], past=shortened(model, parent, budget, services))
         else:
-            kept = kept_positions(information(model, base), span, budget, base.length)
-            short = prefill(model, [base.ids[i] for i in kept])
+            kept = kept_positions(information(model, base, services), span, budget, base.length)
+            short = services.prefill(model, [base.ids[i] for i in kept])
         short.captures = []
         base.shared[key] = short
     return base.shared[key]

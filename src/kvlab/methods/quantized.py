@@ -9,7 +9,7 @@ Only full-attention layers are quantized; sliding-window layers (Gemma 3) keep t
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind
+from kvlab.methods.base import MethodKind, Services
 from kvlab.methods.schemes import SCHEMES
 
 
@@ -57,7 +57,7 @@ class Quant(MethodKind):
                     f"(max_saturated {limit:.3%}); calibrate the scales on this data, use scales: dynamic, or raise "
                     "max_saturated")
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Every full-attention layer of `cache` (after any eviction) in its quantized form; pre-RoPE key codecs
         take the RoPE tables of the prefill positions from `base.captures`."""
         from kvlab.kernels import kvcache
@@ -105,7 +105,7 @@ class HFQuantized(MethodKind):
     def storage(self) -> dict:
         return {"scheme": "hf_quanto", "bits": self.params["bits"], "key_axis": "token", "value_axis": "token", "policy": None}
 
-    def apply(self, model, cache, base, variant, sliding: list[bool]) -> None:
+    def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         from kvlab.kernels import kvcache
 
         p = self.params

@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
 
-from kvlab.methods.base import Problem
+from kvlab.methods.press import Problem
 
 
 @lru_cache(maxsize=8)

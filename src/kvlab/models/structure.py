@@ -1,4 +1,5 @@
-"""Model introspection: decoder and attention layers, sliding-window layers, pre-RoPE projections, stop ids."""
+"""Model introspection: decoder and attention layers, sliding-window layers, pre-RoPE projections, stop ids. Below
+the engine and the method kinds, which both use it."""
 
 from __future__ import annotations
 
