@@ -517,9 +517,10 @@ def configured_eviction_methods() -> dict:
     for preset in ("default", "smoke"):
         config = resolve({**raw, "preset": preset}, root / "workflow" / "config.schema.yaml")
         for name, spec in config["methods"].items():
-            # block_sparse keeps everything (its budget is what a step reads) and prompt_compression's budget is a
-            # share of the user's text: each has its own tests (test_block_sparse, test_prompt_compression)
-            if evicts(spec) and spec["kind"] not in ("block_sparse", "prompt_compression") and not uses_calibration({name: spec}):
+            # block_sparse keeps everything (its budget is what a step reads), prompt_compression's budget is a
+            # share of the user's text and mikv keeps every token (its budget is the full-precision share): each
+            # has its own tests (test_block_sparse, test_prompt_compression, test_mikv)
+            if evicts(spec) and spec["kind"] not in ("block_sparse", "prompt_compression", "mikv") and not uses_calibration({name: spec}):
                 out[f"{preset}/{name}"] = spec
     return out
 
