@@ -148,6 +148,6 @@ def test_a_long_batch_reports_progress_on_a_heartbeat(tmp_path, tiny_dir, monkey
     with caplog.at_level(logging.INFO, logger="kvlab.evaluate"):
         job(tmp_path, "a", tiny_dir, max_samples=4, tolerance=60)
     beats = re.findall(r"samples (\d+)-(\d+)/4 in progress: (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, "
-                       r"(~\d+ s left at most|time left known after the first batch)", caplog.text)
-    assert beats and beats[0][3] == "time left known after the first batch"
-    assert any(left.startswith("~") for *_, left in beats)  # after the first batch: an estimate
+                       r"(~\d+ s left at most|time left known after the first sample)", caplog.text)
+    assert beats and beats[0][3] == "time left known after the first sample"
+    assert any(left.startswith("~") for *_, left in beats)  # after the first sample: an estimate

@@ -96,9 +96,10 @@ def heartbeat(line):
 
 
 def working(first: int, last: int, total: int, done: int, rows: int, elapsed: float) -> str:
-    """The heartbeat's line: the samples in progress, rows so far (those of finished samples of the batch too), rows
-    per second and, once a batch has finished, time left at most (the rest of the samples at the pace so far)."""
-    left = f"~{elapsed / done * (total - done):.0f} s left at most" if done else "time left known after the first batch"
+    """The heartbeat's line: the samples in progress, rows so far (those of the batch's finished samples too), rows
+    per second and, once a sample has finished, time left at most (the rest of the samples at the pace so far: a
+    batch decodes its full-cache answers first, so its first samples look slower than the rest)."""
+    left = f"~{elapsed / done * (total - done):.0f} s left at most" if done else "time left known after the first sample"
     return (f"samples {first}-{last}/{total} in progress: {rows} rows, {rows / max(elapsed, 1e-9):.2f} rows/s, "
             f"{elapsed:.0f} s elapsed, {left}")
 
@@ -186,15 +187,20 @@ def run_job(
                 chunk = samples[start : min(end, start + at_once)]
                 noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
                 in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
-                in_batch = [0]  # rows of this batch's finished samples, as the engine reports them
+                in_batch = [0, 0]  # this batch's finished samples and their rows, as the engine reports them
 
                 def line(first=start + 1, last=start + len(chunk), before=done):
-                    return working(first, last, len(samples), before, len(rows) + in_batch[0], time.perf_counter() - t0)
+                    return working(first, last, len(samples), before + in_batch[0], len(rows) + in_batch[1],
+                                   time.perf_counter() - t0)
+
+                def finished(n: int) -> None:
+                    in_batch[0] += 1
+                    in_batch[1] += n
 
                 with heartbeat(line):
                     found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
                                              other=other if in_dtype else None, other_samples=in_dtype, open_modes=still,
-                                             on_rows=lambda n: in_batch.__setitem__(0, in_batch[0] + n))
+                                             on_rows=finished)
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
                 rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
                 done = start + len(chunk)
