@@ -75,4 +75,4 @@ def test_a_compressed_prompt_decodes_as_the_short_prompt(tiny, aware):
 
 def test_models_with_sliding_window_layers_are_refused():
     with pytest.raises(ValueError, match="method 'lingua': prompt compression moves positions"):
-        PromptCompression({}).apply(None, None, None, Variant("lingua", "prompt_compression", 0.5, {}), [True, False])
+        PromptCompression({}).apply(None, None, None, Variant("lingua", "prompt_compression", 0.5, {}), [True, False], SERVICES)
