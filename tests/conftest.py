@@ -46,6 +46,26 @@ def acquired(tmp_path_factory, name: str, spec: dict) -> Path:
     return out
 
 
+def needle_prompt(tokenizer):
+    """One single-needle prompt of about 300 tokens (seed 3), for engine tests that decode a few steps."""
+    from kvlab.tasks import GENERATORS
+
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
+    return GENERATORS["niah"]("niah_single", spec, tokenizer, 300)[0].prompt
+
+
+def decode_steps(model, caches, tail, start, steps=4):
+    """Logits (rows, steps + 1, vocab) of `caches` batched: the `tail` tokens fed at position `start`, then `steps`
+    greedy tokens, each row on its own answer."""
+    from kvlab.engine import Batch
+
+    batch = Batch(model, caches)
+    out = [batch.forward(tail.expand(len(caches), -1), start)[:, -1]]
+    for i in range(steps):
+        out.append(batch.forward(out[-1].argmax(-1, keepdim=True), start + tail.shape[1] + i)[:, -1])
+    return torch.stack(out, 1)
+
+
 def hub_cache(hf_home: Path, repo_id: str, model_dir: Path) -> str:
     """Put a model folder's files (not its card) into a Hugging Face cache as the hub client lays one out:
     content-named blobs, a snapshot folder of relative symlinks named by commit, `refs/main` naming that commit.

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from kvlab.engine import Batch, cache_stats, compress, prefill
+from conftest import decode_steps, needle_prompt
+from kvlab.engine import cache_stats, compress, prefill
 from kvlab.kernels.block_sparse import read_tokens, selected
 from kvlab.methods import Variant
-from kvlab.tasks import GENERATORS
 
 
 def brute_force(query, keys, block, top_k, selector):
@@ -61,17 +61,6 @@ def test_read_count_by_hand():
         read_tokens(1000, 64, 4, "nsa")
 
 
-def _prompt(tokenizer):
-    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tokenizer, 300)[0].prompt
-
-
-def _steps(model, caches, tail, start, steps=4):
-    batch = Batch(model, caches)
-    out = [batch.forward(tail.expand(len(caches), -1), start)[:, -1]]
-    for i in range(steps):
-        out.append(batch.forward(out[-1].argmax(-1, keepdim=True), start + tail.shape[1] + i)[:, -1])
-    return torch.stack(out, 1)
 
 
 def test_every_block_read_equals_full_attention_bit_for_bit(tiny):
@@ -79,14 +68,14 @@ def test_every_block_read_equals_full_attention_bit_for_bit(tiny):
     of the same batch shape: rows of one batch can differ in their last bit on the CPU); at a quarter of the
     blocks, it does not, and its rows count what a step reads."""
     model, tokenizer = tiny
-    p = _prompt(tokenizer)
+    p = needle_prompt(tokenizer)
     base = prefill(model, p.context)
     params = {"selector": "moba", "block": 16}
     every = compress(model, base, Variant("moba", "block_sparse", 4.0, params))
     quarter = compress(model, base, Variant("moba", "block_sparse", 0.25, params))
     full = compress(model, base, Variant("full", "full", 1.0))
     tail = torch.tensor([p.question + p.suffix])
-    ours, ref = _steps(model, [every, quarter], tail, base.length), _steps(model, [full, quarter], tail, base.length)
+    ours, ref = decode_steps(model, [every, quarter], tail, base.length), decode_steps(model, [full, quarter], tail, base.length)
     assert torch.equal(ours[0], ref[0])
     assert not torch.allclose(ref[1, 1:], ref[0, 1:], atol=1e-3)  # decode steps read a quarter of the blocks
     torch.testing.assert_close(ref[1, 0], ref[0, 0])  # the tail is read in full, as a prefill
@@ -130,7 +119,7 @@ def test_teacher_forcing_streams_block_sparse_rows_as_steps(tiny):
     from kvlab.engine.decode import streams
 
     model, tokenizer = tiny
-    p = _prompt(tokenizer)
+    p = needle_prompt(tokenizer)
     base = prefill(model, p.context)
     caches = [compress(model, base, Variant(s, "block_sparse", 0.25, {"selector": s, "block": 16})) for s in ("moba", "quest")]
     assert all(stepwise(c) and streams(c) for c in caches)

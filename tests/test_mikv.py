@@ -4,19 +4,15 @@ keeps, the others are codes, the bytes are the formula's, and a budget of 1 is t
 import pytest
 import torch
 
-from kvlab.engine import Batch, cache_stats, compress, prefill
+from conftest import decode_steps, needle_prompt
+from kvlab.engine import cache_stats, compress, prefill
 from kvlab.kernels.kvcache import QuantizedKVLayer
 from kvlab.kernels.layouts import stored_layer_bytes
 from kvlab.methods import Variant, kind_of
-from kvlab.tasks import GENERATORS
 
 SNAP = {"window_size": 16, "kernel_size": 5}
 PARAMS = kind_of({"kind": "mikv", "scorer": "SnapKVPress", "kwargs": SNAP, "bits": 2, "group": 16, "residual": 16}).params
 
-
-def _prompt(tokenizer):
-    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tokenizer, 300)[0].prompt
 
 
 def _by_vector(x: torch.Tensor) -> torch.Tensor:
@@ -26,7 +22,7 @@ def _by_vector(x: torch.Tensor) -> torch.Tensor:
 
 def test_kept_tokens_are_snapkvs_in_full_precision_and_the_rest_are_codes(tiny):
     model, tokenizer = tiny
-    base = prefill(model, _prompt(tokenizer).context)
+    base = prefill(model, needle_prompt(tokenizer).context)
     t = base.length
     mikv = compress(model, base, Variant("mikv2", "mikv", 0.25, PARAMS))
     snap = compress(model, base, Variant("snapkv", "kvpress", 0.25, {"press": "SnapKVPress", "kwargs": SNAP}))
@@ -52,13 +48,6 @@ def test_kept_tokens_are_snapkvs_in_full_precision_and_the_rest_are_codes(tiny):
     assert snap_bytes < stats["kv_bytes"] < full_bytes
 
 
-def _steps(model, caches, tail, start, steps=4):
-    batch = Batch(model, caches)
-    out = [batch.forward(tail.expand(len(caches), -1), start)[:, -1]]
-    for i in range(steps):
-        out.append(batch.forward(out[-1].argmax(-1, keepdim=True), start + tail.shape[1] + i)[:, -1])
-    return torch.stack(out, 1)
-
 
 def test_a_budget_of_one_is_the_full_cache_and_a_quarter_beats_dropping(tiny):
     """Every token in full precision (budget 1, reordered per head; a residual of 256 holds the 116-token question and the
@@ -67,14 +56,14 @@ def test_a_budget_of_one_is_the_full_cache_and_a_quarter_beats_dropping(tiny):
     closer to the full cache than SnapKV, which drops them."""
     model, tokenizer = tiny
     params = {**PARAMS, "residual": 256}
-    p = _prompt(tokenizer)
+    p = needle_prompt(tokenizer)
     base = prefill(model, p.context)
     tail = torch.tensor([p.question + p.suffix])
     full = compress(model, base, Variant("full", "full", 1.0))
     whole = compress(model, base, Variant("mikv2", "mikv", 1.0, params))
     quarter = compress(model, base, Variant("mikv2", "mikv", 0.25, params))
     snap = compress(model, base, Variant("snapkv", "kvpress", 0.25, {"press": "SnapKVPress", "kwargs": SNAP}))
-    logits = _steps(model, [full, whole, quarter, snap], tail, base.length).log_softmax(-1)
+    logits = decode_steps(model, [full, whole, quarter, snap], tail, base.length).log_softmax(-1)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
 
     def kl(row):
