@@ -200,3 +200,27 @@ def test_a_prose_cell_is_decided_on_its_kl_betting_bounds_and_a_sample_above_the
     assert "no upper bound (1 samples above the cap)" in evidence(pd.Series(out))
     assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=14)), rule)["decision"] == "inconclusive"
     assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=15)), rule)["decision"] == "safe"
+
+
+def test_cells_judge_each_distinct_cell_once_and_a_changed_row_or_rule_anew():
+    """The report's sections pool the same cells under different groupings; `cells` keeps one judgement per
+    distinct cell (its rows and the rule), so a second grouping reuses it, and a changed score or a changed rule
+    is judged again."""
+    from kvlab.report import decision
+    from kvlab.report.decision import cells, judge
+
+    rule = Rule()
+    dec = answers(row("snapkv", "single needle", "aware", 0.5, 0.97, press="SnapKVPress", rows=60),
+                  row("h2o", "single needle", "aware", 0.5, 0.8, kind="h2o", rows=60))
+    direct = [judge(g, rule)["decision"] for _, g in dec.groupby("method", sort=False)]
+    decision._judged.clear()
+    first = cells(dec, rule, by=["model", "shape", "question_mode"])
+    assert list(first["decision"]) == direct == ["inconclusive", "unsafe"] and len(decision._judged) == 2
+    again = cells(dec, rule, by=["task"])
+    assert len(decision._judged) == 2 and list(again["decision"]) == direct
+    pd.testing.assert_frame_equal(first.drop(columns=["model", "shape", "question_mode"]), again.drop(columns="task"))
+    worse = dec.copy()
+    worse.loc[worse["method"] == "snapkv", "score"] = 0.0
+    assert list(cells(worse, rule, by=[])["decision"]) == ["unsafe", "unsafe"] and len(decision._judged) == 3
+    assert list(cells(dec, Rule(tolerance_points=25), by=[])["decision"]) == ["safe", "safe"]
+    assert len(decision._judged) == 5

@@ -9,6 +9,7 @@ mode, the methods decided safe by the compression they reached, and names the in
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -74,10 +75,27 @@ def _cap(rows: pd.DataFrame) -> float:
     return float(rows.groupby(["task", "context_tokens"])["max_samples"].max().sum())
 
 
+# What `judge` reads of a cell's rows; two cells equal on these (in order) have the same judgement.
+JUDGE_READS = [*DESCRIBE, "kv_fraction_bf16", "sample_id", "round", "kl_vs_full", "score", "full_score", "task",
+               "context_tokens", "max_samples", "draw"]
+_judged: dict[tuple, dict] = {}  # judge's results by (rule, the cell's rows): the report's sections judge the same
+# cells under different groupings (about 60 times per report), and one judgement costs milliseconds
+
+
 def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
-    """`judge` per (by…, method, budget), in the rows' order."""
+    """`judge` per (by…, method, budget), in the rows' order; each distinct cell is judged once per process."""
     keys = [*by, "method", "budget"]
-    out = [{**dict(zip(keys, key)), **judge(g, rule)} for key, g in rows.groupby(keys, sort=False, dropna=False)]
+    rows = rows.reset_index(drop=True)
+    read = rows[[c for c in JUDGE_READS if c in rows]]
+    row_hash = pd.util.hash_pandas_object(read, index=False).to_numpy()  # one vectorised pass; a cell's key hashes its rows'
+    out = []
+    for key, g in rows.groupby(keys, sort=False, dropna=False):
+        cell = (rule, tuple(read.columns), hashlib.sha1(row_hash[g.index.to_numpy()].tobytes()).hexdigest())
+        if cell not in _judged:
+            if len(_judged) > 100_000:
+                _judged.clear()
+            _judged[cell] = judge(g, rule)
+        out.append({**dict(zip(keys, key)), **_judged[cell]})
     return pd.DataFrame(out)
 
 

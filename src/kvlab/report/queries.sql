@@ -214,7 +214,7 @@ ORDER BY key;
 -- name: rule_times
 -- Wall time per rule: the jobs' Snakemake benchmark files summed by rule.
 SELECT split_part(job, '/', 1) AS rule, count(*) AS jobs, sum(s) AS wall_s, max(max_rss) AS max_rss_mb
-FROM benchmarks GROUP BY ALL ORDER BY wall_s DESC;
+FROM benchmarks GROUP BY ALL ORDER BY wall_s DESC, rule;
 
 -- name: calib_c1
 -- C1: per (layer, KV head) outlier score = largest channel absmax / median channel absmax; median over heads.
@@ -312,7 +312,7 @@ SELECT j.model, j.task, j.context_tokens, j.samples, j.rows, b.s AS wall_s, j.ro
        p.prefill_s, p.compress_s, p.decode_s, p.teacher_forced_s, p.noise_s, p.dtype_noise_s, j.dtype
 FROM jobs j JOIN phases p USING (model, task, context_tokens)
 LEFT JOIN benchmarks b ON b.job = 'evaluate/' || j.model || '/' || j.task || '/' || j.context_tokens
-ORDER BY wall_s DESC NULLS LAST;
+ORDER BY wall_s DESC NULLS LAST, j.model, j.task, j.context_tokens;
 
 -- name: verification
 -- How often a compressed row's greedy choice follows the full cache's answer at every position (its answer
