@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Seconds per scored row of one evaluate job (benchmarks/speed_ab.yaml), at an old commit and at this checkout,
-# back to back on this machine (kvlab.bench_eval). The old side runs this checkout's bench_eval.py, copied into
-# a worktree of the old commit, with that worktree's own venv (make setup there) and float32, its only dtype;
-# this side runs float32 and the config's `auto` dtype. Rows: results/bench/eval/ab-*.parquet; a table at the end.
-#   bash benchmarks/speed_ab.sh [OLD_COMMIT]     (default c4fc425, the speed issue's baseline; needs the model
+# back to back on this machine (kvlab.bench_eval). The old side runs the old commit's own kvlab.bench_eval (every
+# commit since e2a8a92 has it, with these arguments) in a worktree with that worktree's own venv (make setup
+# there), in float32; this side runs float32 and the config's `auto` dtype. Rows: results/bench/eval/ab-*.parquet;
+# a table at the end.
+#   bash benchmarks/speed_ab.sh [OLD_COMMIT]     (default e2a8a92, the roofline issue's baseline; needs the model
 #                                                  acquired here: snakemake --cores 2 resources/models/qwen2.5-0.5b)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OLD=${1:-c4fc425}
+OLD=${1:-e2a8a92}
 WT=${AB_WORKTREE:-../kvlab-ab-$OLD}
 ROOT=$PWD
 MODEL=resources/models/qwen2.5-0.5b
@@ -15,12 +16,11 @@ OUT=$ROOT/results/bench/eval
 [ -d "$MODEL" ] || { echo "no $MODEL: acquire it first (snakemake --cores 2 $MODEL)"; exit 2; }
 [ -d "$WT" ] || git worktree add -f "$WT" "$OLD"
 make -C "$WT" setup >/dev/null
-cp src/kvlab/bench_eval.py "$WT/src/kvlab/bench_eval.py"  # untracked there; it reads the old tree's schema
 mkdir -p "$OUT"
 args=(--model-dir "$ROOT/$MODEL" --task variable_tracking --ctx 1024 --config "$ROOT/benchmarks/speed_ab.yaml")
 NEW=$(git rev-parse --short HEAD)
 echo "timing $OLD (float32), then $NEW (float32, auto); logs: $OUT/ab-*.log"
-(cd "$WT" && .venv/bin/python -P src/kvlab/bench_eval.py "${args[@]}" --dtype float32 --label "$OLD float32" \
+(cd "$WT" && .venv/bin/python -m kvlab.bench_eval "${args[@]}" --dtype float32 --label "$OLD float32" \
   --out "$OUT/ab-old-fp32.parquet") > "$OUT/ab-old-fp32.log" 2>&1
 .venv/bin/python -m kvlab.bench_eval "${args[@]}" --dtype float32 --label "$NEW float32" --out "$OUT/ab-new-fp32.parquet" \
   > "$OUT/ab-new-fp32.log" 2>&1

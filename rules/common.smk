@@ -5,7 +5,8 @@ import re
 from snakemake.exceptions import WorkflowError
 
 from kvlab.config import CALIBRATION_TABLES, ConfigError, check_device, resolve
-from kvlab.methods import runs_on, uses_calibration
+from kvlab.jobs import run_params as job_params
+from kvlab.methods import build, for_task, uses_calibration
 from kvlab.runstate import drop_orphans, say
 
 try:
@@ -13,6 +14,7 @@ try:
 except ConfigError as error:
     raise WorkflowError(f"kvlab {error}") from None
 
+METHODS = build(config["methods"])  # typed once; the jobs receive these objects in their params
 MODELS = list(config["models"])
 EVALUATED = [m for m, spec in config["models"].items() if spec["evaluate"]]  # the rest: acquired and calibrated
 TASKS = list(config["tasks"])
@@ -48,14 +50,9 @@ def calibration_tables():
     return [f"results/calibration/{model}/{table}.parquet" for model in MODELS for table in CALIBRATION_TABLES]
 
 
-def methods_for(task=None):
-    """The configured methods that run on `task` (a method's optional `tasks` list); all without a task."""
-    return {name: m for name, m in config["methods"].items() if runs_on(m, task)}
-
-
 def calibration_inputs(wildcards):
     """The model's calibration, for jobs whose methods take a value from it (e.g. `n_sink: calibrated`)."""
-    if uses_calibration(methods_for(getattr(wildcards, "task", None))):
+    if uses_calibration(for_task(METHODS, getattr(wildcards, "task", None))):
         return [f"results/calibration/{wildcards.model}/{table}.parquet" for table in CALIBRATION_TABLES]
     return []
 
@@ -67,22 +64,8 @@ def dataset_rows(wildcards):
 
 
 def run_params(task=None):
-    """The evaluation knobs a measuring job receives (threads are added from the job). With `task`, only the
-    methods that run on it, so adding a method limited to some tasks reruns only those tasks' jobs."""
-    run = {key: config[key] for key in ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device")}
-    floor = config["dtype_floor"]  # only its tasks' jobs get the key: listing a task reruns that task's jobs alone
-    if floor["samples"] and task in floor["tasks"]:
-        run["dtype_floor_samples"] = floor["samples"]
-    if task is not None:  # the job's rounds (kvlab.sequential), decided at the report's tolerance
-        seq = config["sequential"]
-        run["sequential"] = {
-            "max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
-            "round": seq["round"],
-            "tolerance_points": config["decision"]["tolerance_points"],
-            "kl_safe": config["decision"]["kl_safe"],
-            "kl_cap_ratio": config["decision"]["kl_cap_ratio"],
-        }
-    return {"methods": methods_for(task), **run}
+    """The evaluation knobs a measuring job receives (kvlab.jobs.run_params), with only `task`'s methods."""
+    return job_params(config, METHODS, task)
 
 
 def check_local_device():

@@ -289,11 +289,11 @@ def test_gemma_saved_tokenizer(gemma_dir):
 @pytest.mark.integration
 def test_gemma_snapkv_leaves_sliding_layers_alone(gemma, gemma_sample):
     from kvlab.engine import compress, is_sliding, prefill
-    from kvlab.methods import variants
+    from kvlab.methods import build, variants
 
     model, _ = gemma
     base = prefill(model, gemma_sample.prompt.context)
-    snapkv = variants({"snapkv": SNAPKV}, [0.25])[0]
+    snapkv = variants(build({"snapkv": SNAPKV}), [0.25])[0]
     cache = compress(model, base, snapkv)
     window = model.config.get_text_config().sliding_window
     for idx, (before, after) in enumerate(zip(base.cache.layers, cache.layers)):
@@ -308,10 +308,10 @@ def test_gemma_snapkv_leaves_sliding_layers_alone(gemma, gemma_sample):
 @pytest.mark.integration
 def test_gemma_evaluate_sample_runs(gemma, gemma_sample):
     from kvlab.engine import evaluate_sample
-    from kvlab.methods import variants
+    from kvlab.methods import build, variants
 
     model, tok = gemma
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAPKV}, [0.25])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAPKV}), [0.25])
     rows = evaluate_sample(model, tok, gemma_sample, grid, ["agnostic", "aware"], 16)
     assert sorted((r["method"], r["question_mode"]) for r in rows) == [
         ("full", "agnostic"), ("full", "aware"), ("snapkv", "agnostic"), ("snapkv", "aware")
@@ -328,11 +328,11 @@ def test_gemma_decode_tail_is_causal(gemma, gemma_sample, method):
     """The engine feeds question+suffix in one call, batched with another variant's (differently sized)
     cache; its logits must equal feeding the tail token by token to this cache alone."""
     from kvlab.engine import Batch, compress, prefill
-    from kvlab.methods import variants
+    from kvlab.methods import build, variants
 
     model, tok = gemma
     base = prefill(model, gemma_sample.prompt.context)
-    grid = {v.method: v for v in variants({"full": {"kind": "full"}, "snapkv": SNAPKV}, [0.25])}
+    grid = {v.method: v for v in variants(build({"full": {"kind": "full"}, "snapkv": SNAPKV}), [0.25])}
     cache = compress(model, base, grid[method])
     tail = gemma_sample.prompt.question + gemma_sample.prompt.suffix
     other = compress(model, base, grid["snapkv" if method == "full" else "full"])

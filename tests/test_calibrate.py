@@ -134,14 +134,15 @@ def test_bad_input_is_a_clear_error(tiny):
 
 
 def test_calibrated_kwargs_take_the_measured_value(tmp_path):
-    from kvlab.methods import uses_calibration, with_calibration
+    from kvlab.methods import build, uses_calibration, with_calibration
 
-    methods = {"full": {"kind": "full"}, "stream": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": "calibrated"}}}
-    assert uses_calibration(methods) and not uses_calibration({"full": {"kind": "full"}})
+    methods = build({"full": {"kind": "full"}, "stream": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": "calibrated"}}})
+    assert uses_calibration(methods) and not uses_calibration(build({"full": {"kind": "full"}}))
     pd.DataFrame([{"model": "m", "n_sink": 3}]).to_parquet(tmp_path / "stream_sinks.parquet")
     resolved = with_calibration(methods, tmp_path)
-    assert resolved["stream"]["kwargs"] == {"n_sink": 3} and resolved["full"] == {"kind": "full"}
-    assert methods["stream"]["kwargs"]["n_sink"] == "calibrated"  # the config is left as it was
+    assert resolved["stream"].entry["kwargs"] == {"n_sink": 3} and resolved["stream"].kind.params["kwargs"] == {"n_sink": 3}
+    assert resolved["full"] is methods["full"]  # a method that reads no calibration is left as it was
+    assert methods["stream"].entry["kwargs"]["n_sink"] == "calibrated"  # the config is left as it was
 
 
 def test_lloyd_grid_lowers_the_rounding_error_of_equal_mass_levels():

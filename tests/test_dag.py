@@ -19,7 +19,7 @@ from conftest import job_counts, snakemake
 from kvlab.compare_runs import compare
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.kernels.block_sparse import read_tokens
-from kvlab.methods import evicts, kind_of
+from kvlab.methods import build, kind_of
 from kvlab.sequential import planned
 from kvlab.tasks import samples_at
 
@@ -45,7 +45,7 @@ def expected_samples(spec: dict, max_samples: int) -> int:
 def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
     con = duckdb.connect(str(smoke_run / "results" / "kvlab.duckdb"), read_only=True)
     config = smoke_config()
-    per_method = {name: len(config["budgets"]) if evicts(m) else 1 for name, m in config["methods"].items()}
+    per_method = {name: len(config["budgets"]) if m.evicts else 1 for name, m in build(config["methods"]).items()}
     n_variants = sum(per_method.values())
     n_presses = sum(n for name, n in per_method.items()
                     if config["methods"][name]["kind"] in ("full", "kvpress") and "wrapper" not in config["methods"][name])

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from kvlab.evaluate import check_lengths, run_job
+from kvlab.methods import build
 from kvlab.tasks import dataset, generate
 
 ROWS = [
@@ -149,7 +150,7 @@ def test_a_job_scores_the_rows_with_their_metric(tmp_path, tiny_dir):
     """The tiny model's answers are scored by qa_f1 against each row's answers; rows carry the workload's shape and
     natural lengths."""
     spec = {**SPEC, "path": str(write(tmp_path / "rows.jsonl", ROWS, "jsonl")), "samples": 2, "shape": "vault codes"}
-    run = {"methods": {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}},
+    run = {"methods": build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}}),
            "budgets": [0.5], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4, "noise_floor_samples": 0,
            "dtype": "float32", "device": "cpu", "threads": 1}
     rows = run_job(tiny_dir, "vaults", spec, 0, run, tmp_path / "out.parquet")

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
-from kvlab.methods import Variant, variants
+from kvlab.methods import Variant, build, variants
 from kvlab.tasks import GENERATORS
 
 PRESSES = [
@@ -92,7 +92,7 @@ def test_full_decode_equals_hf_generate(tiny, sample):
 def test_rows_cover_grid_and_bytes_are_measured(tiny, sample):
     model, tokenizer = tiny
     grid = variants(
-        {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}},
+        build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}}}),
         [0.5, 0.25],
     )
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware"], 4)
@@ -176,7 +176,7 @@ def test_engine_equals_one_method_at_a_time(tiny, kind, spec):
     """All variants decoded as one batch give the same answers and KL as each variant run alone."""
     model, tokenizer = tiny
     methods = {"full": {"kind": "full"}, "snapkv": SNAP, "streaming": STREAM}
-    grid = variants(methods, [0.5, 0.25])
+    grid = variants(build(methods), [0.5, 0.25])
     for sample in GENERATORS[kind](kind, spec, tokenizer, 600):
         together = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware"], 6)
         for v in grid:
@@ -196,7 +196,7 @@ def test_kl_is_zero_for_full_and_grows_with_eviction(tiny):
     model, tokenizer = tiny
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 48}
     (sample,) = GENERATORS["continuation"]("prose", spec, tokenizer, 600)
-    grid = variants({"full": {"kind": "full"}, "streaming": STREAM}, [0.5, 0.1])
+    grid = variants(build({"full": {"kind": "full"}, "streaming": STREAM}), [0.5, 0.1])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
     kl = {r["budget"]: r["kl_vs_full"] for r in rows}
     assert kl[1.0] == pytest.approx(0.0, abs=1e-7)
@@ -209,7 +209,7 @@ def test_question_first_modes_share_one_computation(tiny):
     model, tokenizer = tiny
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0, "question_position": "before"}
     (sample,) = GENERATORS["niah"]("qfirst", spec, tokenizer, 600)
-    rows = evaluate_sample(model, tokenizer, sample, variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5]), ["agnostic", "aware"], 4)
+    rows = evaluate_sample(model, tokenizer, sample, variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5]), ["agnostic", "aware"], 4)
     agnostic = [r for r in rows if r["question_mode"] == "agnostic"]
     aware = [r for r in rows if r["question_mode"] == "aware"]
     assert [{**r, "question_mode": "x"} for r in agnostic] == [{**r, "question_mode": "x"} for r in aware]
@@ -318,7 +318,7 @@ def test_multi_turn_mode_asks_a_later_question_on_the_aware_cache(tiny):
     model, tokenizer = tiny
     spec = {"kind": "multi_turn", "depths": [0.4], "samples": 1, "seed": 2}
     (sample,) = GENERATORS["multi_turn"]("mt", spec, tokenizer, 600)
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.25])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware", "multi_turn"], 6)
     assert sorted({(r["question_mode"], r["turn"]) for r in rows}) == [("agnostic", 1), ("agnostic", 2), ("aware", 1), ("multi_turn", 2)]
     p = sample.prompt
@@ -509,7 +509,7 @@ def configured_eviction_methods() -> dict:
     import yaml
 
     from kvlab.config import resolve
-    from kvlab.methods import evicts, uses_calibration
+    from kvlab.methods import Method
 
     root = Path(__file__).resolve().parents[1]
     raw = yaml.safe_load((root / "config.yaml").read_text())
@@ -520,7 +520,8 @@ def configured_eviction_methods() -> dict:
             # block_sparse keeps everything (its budget is what a step reads), prompt_compression's budget is a
             # share of the user's text and mikv keeps every token (its budget is the full-precision share): each
             # has its own tests (test_block_sparse, test_prompt_compression, test_mikv)
-            if evicts(spec) and spec["kind"] not in ("block_sparse", "prompt_compression", "mikv") and not uses_calibration({name: spec}):
+            method = Method(name, spec)
+            if method.evicts and spec["kind"] not in ("block_sparse", "prompt_compression", "mikv") and not method.uses_calibration():
                 out[f"{preset}/{name}"] = spec
     return out
 
@@ -598,7 +599,7 @@ def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dic
     variant's first divergence."""
     from kvlab.engine import first_divergence, teacher_forced, verified_decode
 
-    grid = variants(methods, budgets)
+    grid = variants(build(methods), budgets)
     (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
     base = prefill(model, sample.prompt.context)
     caches = [compress(model, base, v) for v in grid]
@@ -685,7 +686,7 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
     from kvlab.engine import evaluate_samples
 
     tokenizer = tiny[1]
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}), [0.5])
     samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s", "noise_s"]
     together = evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8)
@@ -705,7 +706,7 @@ def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
     from kvlab.engine import evaluate_samples
 
     tokenizer = tiny[1]
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5])
     samples = GENERATORS["niah"]("niah_single", {"depths": [0.3, 0.7], "samples": 1, "seed": 5}, tokenizer, 600)
     noise = ["noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"]
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
@@ -727,7 +728,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     from kvlab.engine import noise_floor, stepped, verified_decode
 
     tokenizer = tiny[1]
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}, [0.5])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}), [0.5])
     (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tokenizer, 600)
     rows = evaluate_sample(sharp, tokenizer, sample, grid, ["agnostic"], 8)
     full = next(r for r in rows if r["method"] == "full")
@@ -757,7 +758,7 @@ def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, sharp):
     from kvlab.engine import evaluate_samples
 
     tokenizer = tiny[1]
-    grid = variants({"full": {"kind": "full"}, "snapkv": SNAP}, [0.5])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5])
     samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
     modes = ["agnostic", "aware", "multi_turn"]
     columns = ["noise_dtype", "dtype_noise_kl", "dtype_noise_kl_max", "dtype_noise_diverged_at", "dtype_noise_s"]

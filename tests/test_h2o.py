@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from kvlab.engine import Batch, compress, evaluate_sample, prefill, queries
 from kvlab.kernels.h2o import H2OLayer, keep_heavy_and_recent, received_attention
-from kvlab.methods import Variant, variants
+from kvlab.methods import Variant, build, variants
 from kvlab.tasks import GENERATORS
 
 H2O = {"kind": "h2o", "recent": 0.5}
@@ -70,7 +70,7 @@ def test_h2o_rows_decode_as_if_alone_while_their_length_changes(tiny, sample):
     model, _ = tiny
     p = sample.prompt
     base = prefill(model, p.context)
-    (h2o,) = variants({"h": H2O}, [0.25])
+    (h2o,) = variants(build({"h": H2O}), [0.25])
     cache = compress(model, base, h2o)
     full = compress(model, base, Variant("full", "full", 1.0))
     assert all(layer.keys.shape[-2] == int(base.length * 0.25) for layer in cache.layers)
@@ -90,7 +90,7 @@ def test_h2o_rows_decode_as_if_alone_while_their_length_changes(tiny, sample):
 
 def test_h2o_in_the_engine_keeps_its_budget(tiny, sample):
     model, tokenizer = tiny
-    grid = variants({"full": {"kind": "full"}, "h2o": H2O}, [0.5, 0.25])
+    grid = variants(build({"full": {"kind": "full"}, "h2o": H2O}), [0.5, 0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
     by = {(r["method"], r["budget"]): r for r in rows}
     assert by["h2o", 0.25]["kv_tokens_mean"] == int(len(sample.prompt.context) * 0.25)
@@ -103,7 +103,7 @@ def test_prefill_scores_computed_once_are_every_budgets(tiny, sample):
     those compressed from a prefill of its own."""
     model, _ = tiny
     shared = prefill(model, sample.prompt.context)
-    for h2o in variants({"h": H2O}, [0.5, 0.25, 0.1]):
+    for h2o in variants(build({"h": H2O}), [0.5, 0.25, 0.1]):
         one = compress(model, shared, h2o)
         alone = compress(model, prefill(model, sample.prompt.context), h2o)
         for a, b in zip(one.layers, alone.layers):

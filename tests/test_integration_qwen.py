@@ -5,7 +5,7 @@ import pytest
 
 from kvlab.benchmark import engine_vs_pipeline
 from kvlab.engine import evaluate_sample
-from kvlab.methods import variants
+from kvlab.methods import build, variants
 from kvlab.tasks import GENERATORS
 
 pytestmark = pytest.mark.integration
@@ -16,7 +16,7 @@ def test_qwen_finds_a_1k_needle_with_full_cache(qwen):
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}
     (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 1024)
     assert 1024 - 30 < sample.prompt.tokens <= 1024
-    grid = variants({"full": {"kind": "full"}}, [0.25])
+    grid = variants(build({"full": {"kind": "full"}}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 16)
     assert rows[0]["score"] == 1.0, rows[0]["prediction"]
     assert sample.gold[0] in rows[0]["prediction"]
@@ -27,7 +27,7 @@ def test_qwen_geometry_in_bytes(qwen):
     model, tokenizer = qwen
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 1}
     (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 512)
-    grid = variants({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {}}}, [0.25])
+    grid = variants(build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {}}}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 2)
     n = len(sample.prompt.context)
     assert rows[0]["kv_bytes"] == 24_576 * n
@@ -38,7 +38,7 @@ def test_engine_answers_equal_kvpress_pipeline_snapkv_1k(qwen_dir, tmp_path):
     """The same SnapKV grid at 1K tokens by our batched engine and by kvpress's pipeline, one call per
     variant: identical answers (the benchmark row records both wall times)."""
     run = {
-        "methods": {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 64, "kernel_size": 5}}},
+        "methods": build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 64, "kernel_size": 5}}}),
         "budgets": [0.5, 0.25], "question_modes": ["agnostic"], "max_new_tokens": 12,
         "dtype": "float32", "device": "cpu", "threads": 2,
     }
@@ -63,7 +63,7 @@ def test_kivi_kl_targets_on_real_prose(qwen):
     }
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 128}
     (sample,) = GENERATORS["continuation"]("prose_kl", spec, tokenizer, 512)
-    rows = {r["method"]: r for r in evaluate_sample(model, tokenizer, sample, variants(methods, [1.0]), ["agnostic"], 1)}
+    rows = {r["method"]: r for r in evaluate_sample(model, tokenizer, sample, variants(build(methods), [1.0]), ["agnostic"], 1)}
     assert rows["kivi4"]["tf_tokens"] == 128
     assert rows["kivi4"]["kl_vs_full"] <= 0.01
     assert rows["kivi2"]["kl_vs_full"] <= 0.2
@@ -84,7 +84,7 @@ def test_snapkv_aware_finds_a_1k_needle_that_streaming_llm_loses(qwen):
         "streaming": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": 4}},
     }
     for sample in GENERATORS["niah"]("niah_single", spec, tokenizer, 1024):
-        rows = evaluate_sample(model, tokenizer, sample, variants(methods, [0.25]), ["agnostic", "aware"], 12, kl=False)
+        rows = evaluate_sample(model, tokenizer, sample, variants(build(methods), [0.25]), ["agnostic", "aware"], 12, kl=False)
         score = {(r["method"], r["question_mode"]): r["score"] for r in rows}
         assert score[("full", "agnostic")] == score[("full", "aware")] == 1.0
         assert score[("snapkv", "aware")] == 1.0, sample.sample_id

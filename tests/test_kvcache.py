@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, prefill
 from kvlab.kernels import codecs, kvcache, layouts, quant
-from kvlab.methods import Variant, kind_of, variants
+from kvlab.methods import Variant, build, kind_of, variants
 
 H, D = 2, 16
 QDEFAULTS = {"bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token",
@@ -452,7 +452,7 @@ METHODS = {
 
 def test_every_quantized_method_runs_in_the_engine_with_honest_bytes(tiny, sample):
     model, tokenizer = tiny
-    grid = variants(METHODS, [0.5])
+    grid = variants(build(METHODS), [0.5])
     rows = {r["method"]: r for r in evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)}
     assert rows["full"]["kl_vs_full"] == 0
     for name in METHODS:
@@ -487,7 +487,7 @@ def test_batched_quantized_rows_decode_as_if_alone(tiny, sample):
     model, _ = tiny
     p = sample.prompt
     base = prefill(model, p.context)
-    q = compress(model, base, variants({"k": METHODS["kivi2"]}, [1.0])[0])
+    q = compress(model, base, variants(build({"k": METHODS["kivi2"]}), [1.0])[0])
     full = compress(model, base, Variant("full", "full", 1.0))
     held = q.layers[0].counts()
     tail = torch.tensor([p.suffix + sample.prompt.reference[:20]])
@@ -537,7 +537,7 @@ def test_hybrid_model_rows_decode_as_if_alone():
     equal the ones it gives alone, and the sliding layers hold no padding."""
     model = DECODERS["gemma3"]()
     base = prefill(model, list(range(3, 83)))
-    q = compress(model, base, variants({"k": qspec("kivi")}, [1.0])[0])
+    q = compress(model, base, variants(build({"k": qspec("kivi")}), [1.0])[0])
     full = compress(model, base, Variant("full", "full", 1.0))
     tail = torch.tensor([[90, 91, 92, 93]])
     alone = [Batch(model, [c]).forward(tail, base.length, logits_to_keep=4)[0] for c in (full, q)]
@@ -551,9 +551,9 @@ def test_hybrid_model_rows_decode_as_if_alone():
 def test_sliding_layers_of_a_hybrid_model_are_left_alone():
     model = DECODERS["gemma3"]()
     base = prefill(model, list(range(3, 83)))
-    cache = compress(model, base, variants({"k": qspec("kivi")}, [1.0])[0])
+    cache = compress(model, base, variants(build({"k": qspec("kivi")}), [1.0])[0])
     assert cache.layers[0] is not base.cache.layers[0] and type(cache.layers[0]) is type(base.cache.layers[0])
     assert torch.equal(cache.layers[0].keys, base.cache.layers[0].keys)
     assert isinstance(cache.layers[1], kvcache.QuantizedKVLayer)
-    stats = cache_stats(cache, variants({"k": qspec("kivi")}, [1.0])[0], base.length)
+    stats = cache_stats(cache, variants(build({"k": qspec("kivi")}), [1.0])[0], base.length)
     assert stats["kv_bytes"] == stats["kv_bytes_formula"]

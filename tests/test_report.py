@@ -24,6 +24,7 @@ def page(smoke_run) -> str:
     return (smoke_run / "results" / "report.html").read_text()
 
 
+@pytest.mark.slow  # the smoke DAG
 def test_no_network_references(page):
     # no script, stylesheet, image or frame is fetched from anywhere
     assert not re.search(r"<(script|link|img|iframe)\b", page)
@@ -31,6 +32,7 @@ def test_no_network_references(page):
     assert "@import" not in page and not re.search(r"url\((?!#)", page)  # only in-page refs (SVG gradients)
 
 
+@pytest.mark.slow  # the smoke DAG
 def test_sections_and_queries_present(page):
     for title in ("Summary", "Claims", "Decision table (article §7.2), regenerated", "Accuracy vs KV bytes", "Eviction: which tokens survive",
                   "Divergence from the full cache", "Output length", "Decode throughput",
@@ -67,6 +69,7 @@ def test_sections_and_queries_present(page):
     assert [int(c[1:]) for c in claims] == sorted(int(c[1:]) for c in claims) and {f"C{i}" for i in range(1, 18)} <= set(claims)
 
 
+@pytest.mark.slow  # the smoke DAG
 def test_title_from_config_is_escaped(smoke_run, tmp_path):
     out = tmp_path / "r.html"
     build(smoke_run / "results" / "kvlab.duckdb", out, "<script>alert(1)</script>")
@@ -110,6 +113,7 @@ def test_browser_check_sees_requests_and_console_errors(tmp_path):
     assert len(console) == 1 and '"boom"' in console[0]
 
 
+@pytest.mark.slow  # the smoke DAG
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed (make test installs it when run as root)")
 def test_renders_in_headless_chromium_offline(smoke_run, tmp_path):
     report = smoke_run / "results" / "report.html"
@@ -353,6 +357,7 @@ def test_eviction_verdicts_say_not_measured_without_the_methods():
     assert [v for _, v, _ in out] == ["not measured"] * 4
 
 
+@pytest.mark.slow  # the smoke DAG
 def test_snakemake_report_bundles_the_page_and_key_figures(smoke_run, tmp_path):
     import zipfile
 

@@ -11,21 +11,23 @@ import time
 import pandas as pd
 from kvlab import resume
 from kvlab.evaluate import run_job
+from kvlab.methods import build
 from kvlab.models.card import read_card
 
 METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
            "fp8": {"kind": "quant", "scheme": "fp8", "scales": "dynamic", "residual": 0}}
 NEEDLE = {"kind": "niah", "context_tokens": [384], "depths": [0.2, 0.7], "samples": 1, "seed": 0}
 # a 1-point tolerance decides nothing in 16 prompts: every round runs every variant
-RUN = {"methods": METHODS, "budgets": [0.5], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
+RUN = {"methods": build(METHODS), "budgets": [0.5], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
        "noise_floor_samples": 2, "dtype": "float32", "device": "cpu", "threads": 1,
        "sequential": {"max_samples": 16, "round": 2, "tolerance_points": 1.0}}
 TIMING = ("_s", "seconds", "wall", "rows_per_s")
 CHILD = """
 import sys
 from kvlab.evaluate import run_job
-run_job(sys.argv[1], "niah_single", {needle}, 384, {run}, sys.argv[2])
-"""
+from kvlab.methods import build
+run_job(sys.argv[1], "niah_single", {needle}, 384, {{**{run}, "methods": build({run}["methods"])}}, sys.argv[2])
+"""  # a Method's repr is its config entry: the child builds the typed methods again
 
 
 def non_timing(frame: pd.DataFrame) -> pd.DataFrame:

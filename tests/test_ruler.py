@@ -25,7 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # for cwe, whose worked example alone takes ~2K bytes, and niah_multikey_3, whose haystack is UUID needles (none fit 1K).
 LENGTHS = {"niah_single_2": 4096, "niah_single_3": 4096, "niah_multikey_1": 4096, "niah_multivalue": 4096,
            "niah_multiquery": 4096, "niah_multikey_3": 2048, "cwe": 3072, "qa_1": 8192, "qa_2": 8192}
-SLOW = {t for t in ruler.task_names() if t.startswith("niah")}  # niah builds its 6M-key word list first (≈ 40 s)
+SLOW = {t for t in ruler.task_names() if t.startswith("niah")}  # niah builds its 6M-key word list first (≈ 15 s)
+# The niah tasks whose rows are compared with prepare.py's: one per haystack (noise, essay, needles) and the one with
+# several queries. Every niah task's command line is checked against prepare.py's (test_generator_command_is_prepare_pys):
+# the same script, arguments and seed make the same rows, and each comparison costs two ~15 s niah runs.
+ROWS_COMPARED = {"niah_single_1", "niah_multikey_2", "niah_multiquery"}
 
 
 def tokenizer_dir(tokenizer, where: Path) -> Path:
@@ -58,7 +62,51 @@ def both(task: str, spec: dict, tokenizer, tmp: Path, length: int) -> tuple[list
 
 
 # vt's worked example is fixed at 500 tokens: see test_vt_on_a_byte_tokenizer_is_refused
-FEASIBLE_ON_TINY = [pytest.param(t, marks=[pytest.mark.slow] if t in SLOW else []) for t in ruler.task_names() if t != "vt"]
+FEASIBLE_ON_TINY = [pytest.param(t, marks=[pytest.mark.slow] if t in SLOW else []) for t in ruler.task_names()
+                    if t != "vt" and (t not in SLOW or t in ROWS_COMPARED)]
+
+
+def prepare_pys_command(task: str, tokenizer_path: Path, out_dir: Path, length: int, samples: int) -> list[str]:
+    """The generator command line RULER's prepare.py runs for `task` (its `base` template), as its shell splits it:
+    prepare.py runs in this process with subprocess.run caught, and bash prints the arguments it would pass."""
+    import runpy
+    from unittest import mock
+
+    data = resources.files("long_context_eval").joinpath("data")
+    argv = ["prepare.py", "--save_dir", str(out_dir), "--benchmark", "synthetic", "--task", task, "--tokenizer_type", "hf",
+            "--tokenizer_path", str(tokenizer_path), "--max_seq_length", str(length), "--model_template_type", "base",
+            "--num_samples", str(samples)]
+    with mock.patch.object(sys, "argv", argv), mock.patch.object(sys, "path", [str(data), *sys.path]), \
+            mock.patch("subprocess.run") as run:
+        runpy.run_path(str(data / "prepare.py"), run_name="__main__")
+    (shell,), _ = run.call_args
+    assert shell.lstrip().startswith("python "), shell[:80]
+    printed = subprocess.run(["bash", "-c", 'args() { printf "%s\\0" "$@"; }; ' + shell.lstrip().replace("python ", "args ", 1)],
+                             capture_output=True, text=True, check=True).stdout
+    return printed.split("\0")[:-1]
+
+
+def options(args: list[str]) -> dict[str, str]:
+    """A generator's argv (after the script) as {--option: value}; no option may repeat."""
+    assert len(args) % 2 == 0 and all(a.startswith("--") for a in args[::2]), args
+    assert len(set(args[::2])) == len(args) // 2, args
+    return dict(zip(args[::2], args[1::2]))
+
+
+@pytest.mark.parametrize("task", ruler.task_names())
+def test_generator_command_is_prepare_pys(task, tmp_path):
+    """kvlab runs the generator script prepare.py runs, with the same options as its shell passes them (RULER's
+    `base` template, its seed 42), only `--subset` (and qa's `--pre_samples`, of one chunk) left at the generator's
+    defaults (validation, 0)."""
+    config = ruler.task_config(task)
+    length = LENGTHS.get(task, 1024)
+    theirs = prepare_pys_command(task, tmp_path / "tok", tmp_path / "out", length, 3)
+    ours = ruler.command(config, tmp_path / "tok", tmp_path / "out", length, 3, 42)
+    assert Path(ours[1]).resolve() == Path(theirs[0]).resolve()  # the same generator script
+    want = options(theirs[1:])
+    assert want.pop("--subset") == "validation"
+    assert want.pop("--pre_samples", "0") == "0"
+    assert options(ours[2:]) == want
 
 
 @pytest.mark.parametrize("task", FEASIBLE_ON_TINY)

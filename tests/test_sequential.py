@@ -5,6 +5,7 @@ import re
 
 import pandas as pd
 from kvlab.evaluate import draw_samples, run_job
+from kvlab.methods import build
 from kvlab.report.stats import drop_bounds, per_sample
 from kvlab.sequential import cell_drops, open_cells, per_point, planned
 from kvlab.tasks import generate
@@ -16,7 +17,7 @@ TIMING = ("_s", "seconds", "wall", "rows_per_s")
 
 
 def job(tmp_path, name: str, tiny_dir, max_samples: int, tolerance: float, round_: int = 2) -> pd.DataFrame:
-    run = {"methods": METHODS, "budgets": [0.5, 0.1], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
+    run = {"methods": build(METHODS), "budgets": [0.5, 0.1], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
            "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
            "sequential": {"max_samples": max_samples, "round": round_, "tolerance_points": tolerance}}
     return run_job(tiny_dir, "niah_single", NEEDLE, 384, run, tmp_path / f"{name}.parquet")
@@ -104,7 +105,7 @@ def test_only_the_open_modes_are_compressed_and_decoded(tiny):
 
     model, tokenizer = tiny
     samples = generate("n", NEEDLE, tokenizer, 384)
-    grid = variants(METHODS, [0.5], "n")
+    grid = variants(build(METHODS), [0.5], "n")
     every = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4))
     some = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4,
                                          open_modes={("snapkv", 0.5): {"aware"}}))
@@ -124,7 +125,7 @@ def test_prose_runs_in_rounds_and_stops_each_cell_on_its_kl_bounds(tmp_path, tin
     """A continuation job (scored by KL, no answers) runs in rounds as well: each compressed variant stops after the
     first round whose rows decide its cells by kl_bounds, as the report decides them; the job ends when none is open."""
     spec = {"kind": "continuation", "context_tokens": [256], "continuation_tokens": 16, "samples": 3, "seed": 0}
-    run = {"methods": METHODS, "budgets": [0.5, 0.1], "question_modes": ["agnostic"], "max_new_tokens": 4,
+    run = {"methods": build(METHODS), "budgets": [0.5, 0.1], "question_modes": ["agnostic"], "max_new_tokens": 4,
            "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
            "sequential": {"max_samples": 30, "round": 3, "tolerance_points": 5.0, "kl_safe": 0.01, "kl_cap_ratio": 5}}
     rows = run_job(tiny_dir, "prose", spec, 256, run, tmp_path / "prose.parquet")

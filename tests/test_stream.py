@@ -10,7 +10,7 @@ import torch
 
 from kvlab.engine import compress, prefill, teacher_forced
 from kvlab.kernels import kvcache, stream
-from kvlab.methods import kind_of, variants
+from kvlab.methods import build, kind_of, variants
 from kvlab.tasks import GENERATORS
 from test_kvcache import SPECS, qspec, random_kv, rope_tables
 
@@ -103,7 +103,7 @@ def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
     }
     (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tiny[1], 500)
     base = prefill(sharp, sample.prompt.context)
-    caches = [compress(sharp, base, v) for v in variants(methods, [0.5])]
+    caches = [compress(sharp, base, v) for v in variants(build(methods), [0.5])]
     tail = sample.prompt.question + sample.prompt.suffix
     path = list(range(40, 70))  # 30 tokens: several KIVI groups flush inside the path
     one_pass, choice = teacher_forced(sharp, caches, tail, path, base.length)

@@ -7,10 +7,9 @@
 runs the evaluate job of `config.yaml` (after its preset) for that task and context length exactly as the
 pipeline does (`kvlab.evaluate.run_job`), writes its rows beside `--out` (`*.rows.parquet`) and one summary
 row to `--out`: rows, samples, wall seconds, seconds per row, and the job's prefill / compress / decode /
-teacher-forced seconds. It uses only interfaces older commits have too, so the same file run by an older
-checkout's Python (`/path/to/old/.venv/bin/python -P src/kvlab/bench_eval.py ...`; `-P` keeps
-the script's folder, which holds a module named `io`, off sys.path) times that checkout's engine
-on the same config: the A/B of the speed issue (`--samples` overrides the task's sample count on both sides).
+teacher-forced seconds. Every commit since e2a8a92 has this command with these arguments, so an older
+checkout's own copy times its engine on the same config: the A/B of the speed issue (benchmarks/speed_ab.sh;
+`--samples` overrides the task's sample count on both sides).
 """
 
 from __future__ import annotations
@@ -26,25 +25,23 @@ import yaml
 
 from kvlab.config import resolve
 from kvlab.evaluate import run_job
-from kvlab.methods import runs_on, with_calibration
+from kvlab.jobs import run_params
+from kvlab.methods import build, with_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict, dict]:
-    """The task's spec and the `run` dict the evaluate rule would hand this job (the config validated against this
-    checkout's schema)."""
+    """The task's spec and the `run` dict the evaluate rule would hand this job (kvlab.jobs.run_params, the config
+    validated against this checkout's schema), without rounds: a timed job scores the task's samples, the same
+    work on both sides of an A/B."""
     config = yaml.safe_load(config_path.read_text())
     if preset:
         config["preset"] = preset
     config = resolve(config, ROOT / "workflow" / "config.schema.yaml")
-    methods = {name: m for name, m in config["methods"].items() if runs_on(m, task)}
-    keys = ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device", "threads")
-    run = {key: config[key] for key in keys if key in config}  # an older schema lacks some (noise_floor_samples)
-    floor = config.get("dtype_floor")  # as rules/common.smk's run_params (an old tree, timed by speed_ab.sh, has none)
-    if floor and floor["samples"] and task in floor["tasks"]:
-        run["dtype_floor_samples"] = floor["samples"]
-    return config["tasks"][task], {"methods": methods, **run}
+    run = run_params(config, build(config["methods"]), task)
+    del run["sequential"]
+    return config["tasks"][task], {**run, "threads": config["threads"]}
 
 
 def job_arguments(description: str, samples_help: str, samples_default: int | None = None) -> argparse.ArgumentParser:

@@ -10,12 +10,16 @@ published, scoring at every decoding step), and the quantized caches ``quant`` (
 ``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision). A
 method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
 (a `MethodKind`), one line in `KINDS`, and its branch in workflow/config.schema.yaml (README "Add a method").
+
+A config entry becomes a typed `Method` once (`build`, after the config is validated): its kind object holds the
+entry's parameters, checked, and everything below (the engine, the byte accounting, the kernels' codecs) reads
+that object. Snakemake hands the `Method`s to the jobs inside the rule's params, so a job builds none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from functools import cached_property
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvlab.methods.base import Full, KVPress, MethodKind
@@ -30,24 +34,94 @@ KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Qu
                                                           MiKV)}
 
 
-def kind_of(spec: dict) -> MethodKind:
+def kind_of(entry: dict) -> MethodKind:
     """The kind object of a config entry (with its `kind`; `tasks` is not the kind's)."""
-    return KINDS[spec["kind"]]({k: v for k, v in spec.items() if k not in ("kind", "tasks")})
+    return KINDS[entry["kind"]]({k: v for k, v in entry.items() if k not in ("kind", "tasks")})
+
+
+@dataclass(frozen=True, repr=False)
+class Method:
+    """A config method entry, typed: its name, the entry (validated, schema defaults filled) and its kind object,
+    built once here and shared by every variant of the method. Its repr is the entry's, so Snakemake's params
+    check (which compares reprs) sees the same params as when jobs received the plain entries."""
+
+    name: str
+    entry: dict
+    kind: MethodKind = field(init=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", kind_of(self.entry))
+
+    def __repr__(self) -> str:
+        return repr(self.entry)
+
+    @property
+    def tasks(self) -> list[str] | None:
+        """The tasks it runs on (its optional `tasks` list); None: every task."""
+        return self.entry.get("tasks")
+
+    def runs_on(self, task: str | None) -> bool:
+        """Whether it runs on `task` (every method when task is None)."""
+        return task is None or self.tasks is None or task in self.tasks
+
+    @property
+    def evicts(self) -> bool:
+        """Whether it keeps a fraction of the context (and so runs at every budget)."""
+        return self.kind.evicts
+
+    def uses_calibration(self) -> bool:
+        """Whether it reads the model's calibration: a `calibrated` kwarg or layer_budgets, or its kind's tables."""
+        return (any(v == CALIBRATED for v in self.entry.get("kwargs", {}).values()) or self.kind.needs_calibration()
+                or self.entry.get("layer_budgets") == CALIBRATED)
+
+    def calibrated(self, calibration_dir) -> Method:
+        """This method with every `calibrated` value taken from the model's calibration in `calibration_dir`:
+        kwargs such as StreamingLLM's `n_sink` (the leading sink positions calibration found), per-layer budgets,
+        and for a kind that reads calibration tables (FP8 scales, KVQuant grids) their folder as `calibration`.
+        Itself when it reads none."""
+        if not self.uses_calibration():
+            return self
+        from pathlib import Path
+
+        from pandas import read_parquet  # kvlab.io lies below the method kinds, but this module imports it not at all
+
+        entry = dict(self.entry)
+        if "kwargs" in entry:
+            entry["kwargs"] = {key: int(read_parquet(Path(calibration_dir) / f"{CALIBRATED_KWARGS[key][0]}.parquet")
+                                        [CALIBRATED_KWARGS[key][1]].iloc[0]) if value == CALIBRATED else value
+                               for key, value in entry["kwargs"].items()}
+        if self.kind.needs_calibration():
+            entry["calibration"] = str(calibration_dir)
+        if entry.get("layer_budgets") == CALIBRATED:
+            table = read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
+            entry["layer_budgets"] = [float(w) for w in table["budget_weight"]]
+        return replace(self, entry=entry)
+
+    def variants(self, budgets: list[float]) -> list[Variant]:
+        """The method at every budget when it evicts, else once at budget 1.0; each shares this kind object."""
+        return [Variant(self.name, self.entry["kind"], float(b), self.kind.params, impl=self.kind)
+                for b in (budgets if self.evicts else [1.0])]
+
+
+def build(entries: Mapping[str, dict]) -> dict[str, Method]:
+    """The config's `methods` (name: entry, validated) as typed `Method`s, in config order."""
+    return {name: Method(name, entry) for name, entry in entries.items()}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One method at one budget: what the engine applies to a copy of the prefilled cache."""
+    """One method at one budget: what the engine applies to a copy of the prefilled cache. `impl`, the kind
+    object, comes from the variant's `Method` (`Method.variants`); built from `kind` and `params` when not given."""
 
     method: str  # the config name
     kind: str
     budget: float  # fraction of the context's KV entries kept (1.0 for full)
     params: dict = field(default_factory=dict)
+    impl: MethodKind = field(default=None, compare=False, repr=False)
 
-    @cached_property
-    def impl(self) -> MethodKind:
-        """The kind object, built once per variant (the engine and the accounting ask it often)."""
-        return KINDS[self.kind](self.params)
+    def __post_init__(self):
+        if self.impl is None:
+            object.__setattr__(self, "impl", KINDS[self.kind](self.params))
 
     @property
     def evicts(self) -> bool:
@@ -84,10 +158,9 @@ CALIBRATED = "calibrated"  # a kwarg value taken from the model's calibration in
 CALIBRATED_KWARGS = {"n_sink": ("stream_sinks", "n_sink")}  # kwarg -> (calibration table, column)
 
 
-def uses_calibration(methods: dict) -> bool:
-    return any(
-        v == CALIBRATED for m in methods.values() for v in m.get("kwargs", {}).values()
-    ) or any(kind_of(m).needs_calibration() or m.get("layer_budgets") == CALIBRATED for m in methods.values())
+def uses_calibration(methods: Mapping[str, Method]) -> bool:
+    """Whether any of `methods` reads the model's calibration (then its jobs take the calibration as input)."""
+    return any(m.uses_calibration() for m in methods.values())
 
 
 def layer_budgets(budget: float, weights: list[float], sliding: list[bool]) -> list[float]:
@@ -108,50 +181,17 @@ def layer_budgets(budget: float, weights: list[float], sliding: list[bool]) -> l
     return [out.get(i, 1.0) for i in range(len(sliding))]
 
 
-def with_calibration(methods: dict, calibration_dir) -> dict:
-    """`methods` with every `calibrated` kwarg replaced by the model's measured value, e.g. StreamingLLM's
-    `n_sink` by the leading sink positions calibration found. Quantized methods that read calibration tables
-    (FP8 scales, KVQuant grids) get the folder as `calibration`."""
-    from pathlib import Path
-
-    from pandas import read_parquet  # kvlab.io lies below the method kinds, but this module imports it not at all
-
-    out = {}
-    for name, spec in methods.items():
-        kwargs = dict(spec.get("kwargs", {}))
-        for key, value in kwargs.items():
-            if value == CALIBRATED:
-                table, column = CALIBRATED_KWARGS[key]
-                kwargs[key] = int(read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
-        out[name] = {**spec, "kwargs": kwargs} if "kwargs" in spec else dict(spec)
-        if kind_of(spec).needs_calibration():
-            out[name]["calibration"] = str(calibration_dir)
-        if spec.get("layer_budgets") == CALIBRATED:
-            table = read_parquet(Path(calibration_dir) / "layer_budget.parquet").sort_values("layer")
-            out[name]["layer_budgets"] = [float(w) for w in table["budget_weight"]]
-    return out
+def with_calibration(methods: Mapping[str, Method], calibration_dir) -> dict[str, Method]:
+    """`methods` with their `calibrated` values taken from the model's calibration (`Method.calibrated`)."""
+    return {name: m.calibrated(calibration_dir) for name, m in methods.items()}
 
 
-def evicts(spec: dict) -> bool:
-    """Whether a method entry keeps a fraction of the context (and so runs at every budget)."""
-    return kind_of(spec).evicts
+def for_task(methods: Mapping[str, Method], task: str | None) -> dict[str, Method]:
+    """The methods that run on `task` (each one's optional `tasks` list); all when task is None."""
+    return {name: m for name, m in methods.items() if m.runs_on(task)}
 
 
-def runs_on(spec: dict, task: str | None) -> bool:
-    """Whether a method entry runs on `task` (its optional `tasks` list; every method when task is None)."""
-    return task is None or task in spec.get("tasks", [task])
-
-
-def variants(methods: dict, budgets: list[float], task: str | None = None) -> list[Variant]:
-    """Expand config `methods` × `budgets` (methods without a press run once, at budget 1.0); with `task`,
-    only the methods that run on it (a method's optional `tasks` list)."""
-    out = []
-    for name, spec in methods.items():
-        if not runs_on(spec, task):
-            continue
-        kind = kind_of(spec)
-        if kind.evicts:
-            out.extend(Variant(name, spec["kind"], float(b), kind.params) for b in budgets)
-        else:
-            out.append(Variant(name, spec["kind"], 1.0, kind.params))
-    return out
+def variants(methods: Mapping[str, Method], budgets: list[float], task: str | None = None) -> list[Variant]:
+    """Expand `methods` × `budgets` (methods that evict nothing run once, at budget 1.0); with `task`, only the
+    methods that run on it."""
+    return [v for m in for_task(methods, task).values() for v in m.variants(budgets)]

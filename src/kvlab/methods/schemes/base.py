@@ -25,22 +25,19 @@ def calibration_table(calibration_dir: str, name: str):
 
 
 class QuantScheme(ABC):
-    """One quantization scheme applied to an entry's `params` (schema defaults filled: bits 4, group 32)."""
+    """One quantization scheme applied to an entry's `params` (schema defaults filled: bits 4, group 32), read once
+    into typed fields: `bits` per code, `group` (tokens or channels per scale), `residual` R (the newest tokens kept
+    in full precision). The codecs and the byte layouts are made from these fields."""
 
     name: ClassVar[str]
     default_residual: ClassVar[int] = 0  # R when the entry sets none: 0 quantizes every token, as deployed caches do
+    fixed_bits: ClassVar[int | None] = None  # a scheme whose codes have one width whatever the entry says
 
     def __init__(self, params: dict):
         self.params = params
-
-    @property
-    def bits(self) -> int:
-        return self.params["bits"]
-
-    @property
-    def residual(self) -> int:
-        """R, the newest tokens kept in full precision."""
-        return self.params.get("residual", self.default_residual)
+        self.bits: int = self.fixed_bits or params["bits"]
+        self.group: int | None = params.get("group")  # the schema fills 32; fp8 and int8 use none
+        self.residual: int = params.get("residual", self.default_residual)
 
     @property
     def axes(self) -> tuple[str | None, str | None]:

@@ -9,10 +9,7 @@ from kvlab.methods.schemes.base import QuantScheme, calibration_table
 
 class FP8(QuantScheme):
     name = "fp8"
-
-    @property
-    def bits(self) -> int:
-        return 8
+    fixed_bits = 8
 
     def needs_calibration(self) -> bool:
         return self.params["scales"] == "calibrated"

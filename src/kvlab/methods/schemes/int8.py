@@ -23,7 +23,4 @@ class PerTokenInt(QuantScheme):
 
 class INT8(PerTokenInt):
     name = "int8"
-
-    @property
-    def bits(self) -> int:
-        return 8
+    fixed_bits = 8

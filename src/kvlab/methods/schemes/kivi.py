@@ -29,7 +29,7 @@ class KIVI(QuantScheme):
         return {**super().storage, "policy": self.policy}
 
     def problem(self):
-        bits, group = self.bits, self.params["group"]
+        bits, group = self.bits, self.group
         if group > 1 and group % (8 // bits):
             return "group", f"{bits}-bit codes pack {8 // bits} per byte; group must be a multiple of that"
         if self.policy == "kivi" and "channel" in self.axes and (problem := kivi_residual_problem(self.residual, group)):
@@ -39,10 +39,10 @@ class KIVI(QuantScheme):
     def layer_spec(self, layer: int, heads: int, head_dim: int):
         from kvlab.kernels import codecs, kvcache
 
-        (key_axis, value_axis), group = self.axes, self.params["group"]
+        (key_axis, value_axis), group = self.axes, self.group
         return kvcache.LayerSpec(codecs.AffineCodec(self.bits, group, key_axis), codecs.AffineCodec(self.bits, group, value_axis),
                                  group=group, residual=self.residual, policy=self.policy)
 
     def layouts(self, head_dim: int):
-        (key_axis, value_axis), group = self.axes, self.params["group"]
+        (key_axis, value_axis), group = self.axes, self.group
         return TensorCodes(self.bits, key_axis, group), TensorCodes(self.bits, value_axis, group)

@@ -39,12 +39,12 @@ class KVQuant(QuantScheme):
 
         levels, lo, hi = self._tables(layer, heads, head_dim)
         key = codecs.GridKeyCodec(self.bits, levels, lo, hi, kvcache.outliers_per_vector(self.params["outliers"], head_dim))
-        value = codecs.AffineCodec(self.bits, self.params["group"], "token")
-        return kvcache.LayerSpec(key, value, group=self.params["group"], residual=self.residual,
+        value = codecs.AffineCodec(self.bits, self.group, "token")
+        return kvcache.LayerSpec(key, value, group=self.group, residual=self.residual,
                                  sink_tokens=self.params["sink_tokens"], rope=True)
 
     def layouts(self, head_dim: int):
         from kvlab.kernels import kvcache
 
         outliers = kvcache.outliers_per_vector(self.params["outliers"], head_dim)
-        return TensorCodes(self.bits, "static", outliers=outliers), TensorCodes(self.bits, "token", self.params["group"])
+        return TensorCodes(self.bits, "static", outliers=outliers), TensorCodes(self.bits, "token", self.group)
