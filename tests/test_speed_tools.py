@@ -34,8 +34,12 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path):
 
     config = smoke_config(tmp_path, ["full", "snapkv", "kivi2", "h2o"])
     out = main(["--model-dir", str(tiny_dir), "--task", "niah_single", "--ctx", "512", "--preset", "smoke",
-                "--config", config, "--out", str(tmp_path / "p.parquet")])
+                "--config", config, "--dtype", "float32", "--threads", "1", "--out", str(tmp_path / "p.parquet")])
     assert out.equals(pd.read_parquet(tmp_path / "p.parquet"))
+    from kvlab.hardware import bf16_matmul_native
+
+    assert set(out["dtype"]) == {"float32"} and set(out["threads"]) == {1}  # the command line's, not the config's 2
+    assert set(out["cpu_kind"]) == {"bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)"}
     phases = out[out["kind"] == "phase"].set_index("name")
     # one prefill per question mode's compression (context, then the question after it), every variant compressed
     assert phases.loc["prefill", "calls"] == 2 and phases.loc["compress", "calls"] == 2 * out["variants"].iloc[0]
@@ -53,6 +57,8 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path):
     assert roof.loc["matmul_gflops", "value"] == pytest.approx(roof.loc["matmul_gflop", "value"] / roof.loc["matmul_gflops", "seconds"])
     assert roof.loc["matmul_floor_s", "seconds"] == pytest.approx(
         roof.loc["matmul_gflop", "value"] / roof.loc["peak_matmul_gflops", "value"])
+    assert roof.loc["wall_over_floor", "value"] == pytest.approx(
+        out.set_index("name").loc["wall_s", "seconds"] / roof.loc["matmul_floor_s", "seconds"])
 
 
 def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):

@@ -54,15 +54,26 @@ def job_arguments(description: str, samples_help: str, samples_default: int | No
     ap.add_argument("--samples", type=int, default=samples_default, help=samples_help)
     ap.add_argument("--config", default=str(ROOT / "config.yaml"))
     ap.add_argument("--preset")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = job_arguments(__doc__.split("\n\n")[0], "override the task's samples (same value on both sides of an A/B)")
     ap.add_argument("--dtype", help="force the compute dtype (give the same on both sides of an A/B; default: the "
                     "config's, `auto` resolved here)")
     ap.add_argument("--threads", type=int, help="torch threads (two sides run at once with one thread each share a "
                     "noisy machine alike)")
+    return ap
+
+
+def apply_overrides(args, run: dict) -> dict:
+    """`run` with the command line's --threads and --dtype (else the config's dtype, `auto` resolved here)."""
+    from kvlab.hardware import compute_dtype
+
+    run = dict(run)
+    if args.threads:
+        run["threads"] = args.threads
+    run["dtype"] = args.dtype or compute_dtype(run["dtype"], run["device"])
+    return run
+
+
+def main(argv: list[str] | None = None) -> pd.DataFrame:
+    ap = job_arguments(__doc__.split("\n\n")[0], "override the task's samples (same value on both sides of an A/B)")
     ap.add_argument("--label", required=True, help="what is timed, e.g. a commit")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -71,14 +82,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         ap.error(f"--ctx {args.ctx}: task '{args.task}' runs at {spec['context_tokens']}")
     if args.samples:
         spec = {**spec, "samples": args.samples}
-    if args.threads:
-        run["threads"] = args.threads
-    if args.dtype:
-        run["dtype"] = args.dtype
-    else:
-        from kvlab.hardware import compute_dtype
-
-        run["dtype"] = compute_dtype(run["dtype"], run["device"])
+    run = apply_overrides(args, run)
     if args.calibration:
         run["methods"] = with_calibration(run["methods"], args.calibration)
     out = Path(args.out)

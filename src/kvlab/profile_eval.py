@@ -20,7 +20,9 @@ share of the profiled wall time.
   measured matmul rate in the job's dtype and threads (`peak_matmul_gflops`, the best of the engine's shapes: a
   prefill's and a teacher-forced batch's MLP and LM head, a decode step's MLP), the rate the job's matmuls reached
   (`matmul_gflops`: their flops over their self time) and `matmul_floor_s`, the seconds those flops need at the
-  peak: the least any engine could spend on this job's matmuls without computing fewer of them.
+  peak: the least any engine could spend on this job's matmuls without computing fewer of them; `wall_over_floor`,
+  the job's unprofiled wall time over that floor (the roofline issue's ratio). Rows name the dtype (`--dtype` forces
+  one, e.g. float32 on a bf16-capable CPU), the threads, the device and the CPU kind (bf16-capable or fp32 only).
 
 The profiler adds a few microseconds per operator, so shares matter more than absolute seconds; the
 `wall_s` row is the same job without the profiler, for scale.
@@ -35,10 +37,10 @@ import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvlab.bench_eval import job_arguments, job_settings
+from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_sample
 from kvlab.evaluate import load_model
-from kvlab.hardware import compute_dtype
+from kvlab.hardware import bf16_matmul_native, device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
@@ -113,10 +115,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     spec, run = job_settings(Path(args.config), args.task, args.preset)
+    run = apply_overrides(args, run)
     if args.calibration:
         run["methods"] = with_calibration(run["methods"], args.calibration)
     torch.set_num_threads(run["threads"])
-    dtype = compute_dtype(run["dtype"], run["device"])
+    dtype = run["dtype"]
     model, tokenizer = load_model(args.model_dir, dtype, run["device"])
     samples = generate(args.task, spec, tokenizer, args.ctx)[: args.samples]
     grid = variants(run["methods"], run["budgets"], args.task)
@@ -134,12 +137,16 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         job()
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(events, peak_matmul_gflops(model.dtype)))
+    roof = roofline_rows(events, peak_matmul_gflops(model.dtype))
+    floor = roof[-1]["seconds"]
+    roof.append({"kind": "roofline", "name": "wall_over_floor", "seconds": float("nan"), "calls": 0, "value": plain / floor})
+    out = pd.DataFrame(profile_rows(events, wall) + roof)
     out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
                                          "share": 1.0}])], ignore_index=True)
     out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), rows=len(rows), variants=len(grid),
-                     dtype=dtype, threads=run["threads"])
+                     dtype=dtype, threads=run["threads"], device=device_name(run["device"]),
+                     cpu_kind="bf16-capable" if bf16_matmul_native(run["device"]) else "fp32 only (no AVX512-BF16 or AMX)")
     write_parquet(out, args.out)
     print(out[["kind", "name", "seconds", "calls", "share", "value"]].to_string(index=False))
     return out
