@@ -87,9 +87,12 @@ class Method:
 
         entry = dict(self.entry)
         if "kwargs" in entry:
-            entry["kwargs"] = {key: int(read_parquet(Path(calibration_dir) / f"{CALIBRATED_KWARGS[key][0]}.parquet")
-                                        [CALIBRATED_KWARGS[key][1]].iloc[0]) if value == CALIBRATED else value
-                               for key, value in entry["kwargs"].items()}
+            kwargs = dict(entry["kwargs"])
+            for key, value in kwargs.items():
+                if value == CALIBRATED:
+                    table, column = CALIBRATED_KWARGS[key]
+                    kwargs[key] = int(read_parquet(Path(calibration_dir) / f"{table}.parquet")[column].iloc[0])
+            entry["kwargs"] = kwargs
         if self.kind.needs_calibration():
             entry["calibration"] = str(calibration_dir)
         if entry.get("layer_budgets") == CALIBRATED:
