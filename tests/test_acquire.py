@@ -162,6 +162,7 @@ except Exception as exc:
 """
 
 
+@pytest.mark.slow
 def test_hub_offline_with_empty_cache_fails_with_a_fix(tmp_path):
     """A fresh process, so HF_HOME is read at import as in real use. A process that waits on the network instead of
     failing hits the 60 s timeout (no wall-clock bound beyond that: a loaded CI machine once took 20 s)."""
@@ -184,6 +185,7 @@ def test_hub_offline_with_empty_cache_fails_with_a_fix(tmp_path):
     assert_nothing_written(models)
 
 
+@pytest.mark.slow
 def test_hub_offline_from_a_filled_cache_gives_the_cached_model(tmp_path, tiny_dir):
     """The path a user with a prefilled Hugging Face cache takes: HF_HUB_OFFLINE=1, the model found in the cache
     (as the hub client lays it out), saved as ours with the snapshot's commit on its card; same tensors and

@@ -315,6 +315,7 @@ def test_bad_config_gives_one_line(config, path, value, message):
     assert message in text
 
 
+@pytest.mark.slow
 def test_snakemake_stops_before_any_job_with_the_line(tmp_path, config):
     bad = edit(copy.deepcopy(config), ("budgets",), [1.5])
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
@@ -402,6 +403,7 @@ def test_null_is_fine_in_the_base_file_and_a_good_overlay_passes(tmp_path):
     ("budgets: [0.5]\nbudgets: [0.25]\n", "kvlab config: {f}:2:1: duplicate key 'budgets' (first at line 1)"),
     ("methods:\n  snapkv: null\n", "kvlab config: {f}:2:3: key 'methods.snapkv' is null"),
 ])
+@pytest.mark.slow
 def test_snakemake_refuses_a_configfile_it_would_misread(tmp_path, text, message):
     """Snakemake loads --configfile itself (keeping the last duplicate); the Snakefile re-reads the files it loaded
     (workflow.config_settings.configfiles, and config.yaml) strictly before any rule is defined."""
@@ -430,6 +432,7 @@ def test_a_config_that_is_not_a_mapping_gets_one_line(tmp_path, text, what):
     assert "\n" not in str(info.value) and str(info.value).startswith(f"{path}: the config is {what}; it must be a mapping")
 
 
+@pytest.mark.slow
 def test_an_empty_config_stops_snakemake_with_kvlab_s_line(tmp_path):
     """Run as a user would: Snakemake stops before any job with kvlab's line, not its own parse error."""
     from conftest import snakemake, workflow_copy
@@ -440,6 +443,7 @@ def test_an_empty_config_stops_snakemake_with_kvlab_s_line(tmp_path):
     assert proc.returncode != 0 and "the config is empty; it must be a mapping" in proc.stderr + proc.stdout
 
 
+@pytest.mark.slow
 def test_device_cuda_without_a_gpu_stops_a_local_run_before_any_job(tmp_path):
     """A local run with device: cuda on a machine without one stops with kvlab's line and runs nothing; a dry run
     (planning a cluster submission from a login node) still plans."""

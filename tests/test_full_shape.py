@@ -58,6 +58,7 @@ def test_a_missing_preset_is_refused_in_one_line():
         derive({**CONFIG, "presets": {"smoke": CONFIG["presets"]["smoke"]}})
 
 
+@pytest.mark.slow
 def test_the_run_plans_every_task_and_length_of_the_preset(tmp_path):
     run = tmp_path / "run"
     write_config(run, ROOT / "config.yaml")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from kvlab import gpu_check
 
@@ -69,6 +70,7 @@ def test_a_bad_argument_is_one_line():
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "unknown argument '--fast'" in proc.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(ROOT / "gpu" / "check.sh"), "--dry-run", "--out", str(tmp_path)],
@@ -85,6 +87,7 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
     assert "FAIL  end to end" in out  # no graph-step rows without CUDA
 
 
+@pytest.mark.slow
 def test_the_device_steps_import_without_the_workflow_packages():
     """The device machine has no kvpress, snakemake, duckdb or jsonschema: what gpu/check.sh runs imports without."""
     blocked = "import sys; sys.modules.update(dict.fromkeys(['kvpress', 'snakemake', 'duckdb', 'jsonschema']))"

@@ -26,6 +26,7 @@ def rows(tmp_path_factory):
     return pd.read_parquet(out).set_index("format")
 
 
+@pytest.mark.slow
 def test_the_int4_and_int2_loops_use_tensor_cores_and_no_int_to_float_conversion(rows):
     assert list(rows.columns) == kernel_anatomy.COLUMNS[1:]
     for fmt in ("int4", "int2"):

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pandas as pd
+import pytest
 from kvlab import resume
 from kvlab.evaluate import run_job
 from kvlab.methods import build
@@ -47,6 +48,7 @@ def kill_after_first_checkpoint(tiny_dir, out) -> None:
     child.wait()
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_and_writes_what_an_uninterrupted_run_writes(tmp_path, tiny_dir, caplog):
     whole = run_job(tiny_dir, "niah_single", NEEDLE, 384, RUN, tmp_path / "whole.parquet")
     assert whole["round"].max() == 8 and not resume.path_for(tmp_path / "whole.parquet").exists()
@@ -63,6 +65,7 @@ def test_a_killed_job_resumes_and_writes_what_an_uninterrupted_run_writes(tmp_pa
     assert not resume.path_for(out).exists()  # removed with the output written
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_another_config_or_code_version_is_ignored(tmp_path, tiny_dir, caplog, monkeypatch):
     out = tmp_path / "rows.parquet"
     kill_after_first_checkpoint(tiny_dir, out)

@@ -109,6 +109,7 @@ def test_generator_command_is_prepare_pys(task, tmp_path):
     assert options(ours[2:]) == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", FEASIBLE_ON_TINY)
 def test_samples_are_rulers_own(task, tiny, tmp_path):
     """Same text (document + question + answer prefix is RULER's input), same answers, RULER's metric, and the
@@ -182,6 +183,7 @@ PREDICTIONS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metric", ["string_match_all", "string_match_part"])
 def test_scoring_equals_rulers_metric(metric):
     from long_context_eval.eval.synthetic.constants import string_match_all_per_sample, string_match_part_per_sample
@@ -211,6 +213,7 @@ def test_punkt_offline_is_nltks_english_model(tmp_path):
     assert tail.strip() == "['Mr. Smith met Dr. Jones.', 'He left.']"
 
 
+@pytest.mark.slow
 def test_too_short_a_context_is_refused_not_looped(tiny):
     """RULER's qa grows 10 documents at a time and, when not even 10 fit, retries forever: we stop it with one line."""
     spec = {"kind": "ruler", "ruler_task": "qa_1", "samples": 1, "seed": 42}
@@ -219,6 +222,7 @@ def test_too_short_a_context_is_refused_not_looped(tiny):
         ruler.generate("q", spec, tiny[1], 1024)
 
 
+@pytest.mark.slow
 def test_vt_on_a_byte_tokenizer_is_refused(tiny):
     spec = {"kind": "ruler", "ruler_task": "vt", "samples": 1, "seed": 42}
     with pytest.raises(ValueError, match=r"RULER's vt cannot be generated for this tokenizer: its worked example, fixed "
