@@ -59,6 +59,7 @@ def test_metadata(gemma_gguf):
     assert meta["tokens"][818] == "The" and meta["tokens"][5279] == "▁capital"
 
 
+@pytest.mark.slow
 @needs_gemma
 def test_metadata_matches_gguf_reader(gemma_gguf):
     """The fast key/value reader agrees with gguf.GGUFReader (slow: ~10 s)."""

@@ -1,4 +1,5 @@
-"""Where an evaluation job's time goes: one job of `config.yaml` (or its first samples) under torch's profiler.
+"""Where an evaluation job's time goes: one job of `config.yaml` (its first round, or its first samples) under torch's
+profiler, its samples batched as the job batches them and its noise floor measured on as many as the job measures it.
 
     python -m kvlab.profile_eval --model-dir resources/models/qwen2.5-0.5b \
         --calibration results/calibration/qwen2.5-0.5b --task variable_tracking --ctx 1024 --samples 1 \
@@ -38,8 +39,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
-from kvlab.engine import evaluate_sample
-from kvlab.evaluate import load_model
+from kvlab.engine import evaluate_samples
+from kvlab.evaluate import load_model, samples_at_once
 from kvlab.hardware import bf16_matmul_native, device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
@@ -128,10 +129,17 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     grid = variants(run["methods"], run["budgets"], args.task)
     max_new = max_new_tokens(spec, run["max_new_tokens"])
 
-    def job():
-        return [r for s in samples for r in evaluate_sample(model, tokenizer, s, grid, run["question_modes"], max_new)]
+    at_once = samples_at_once(args.ctx or max(s.prompt.tokens for s in samples))
+    noise = run.get("noise_floor_samples", len(samples))
 
-    job()  # warm-up: first calls allocate and pick kernels
+    def job(todo=samples):  # as the job's first round batches its samples (kvlab.evaluate.run_job), its noise floor too
+        rows = []
+        for start in range(0, len(todo), at_once):
+            rows += evaluate_samples(model, tokenizer, todo[start : start + at_once], grid, run["question_modes"], max_new,
+                                     noise_samples=max(0, noise - start))
+        return rows
+
+    job(samples[:1])  # warm-up: first calls allocate and pick kernels
     t0 = time.perf_counter()
     rows = job()
     plain = time.perf_counter() - t0
