@@ -56,6 +56,8 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     assert ops.set_index("name").loc["matmul", "seconds"] > 0
     roof = out[out["kind"] == "roofline"].set_index("name")
     assert roof.loc["matmul_gflop", "value"] > 0 and roof.loc["peak_matmul_gflops", "value"] > 0
+    # one sample, profiled whole: the job's flops counted by FlopCounterMode are the profiler's own count
+    assert set(out["samples"]) == set(out["profiled_samples"]) == {1}
     assert roof.loc["matmul_gflops", "value"] == pytest.approx(roof.loc["matmul_gflop", "value"] / roof.loc["matmul_gflops", "seconds"])
     assert roof.loc["matmul_floor_s", "seconds"] == pytest.approx(
         roof.loc["matmul_gflop", "value"] / roof.loc["peak_matmul_gflops", "value"])
@@ -84,3 +86,17 @@ def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):
     assert row["rows"] == len(rows) > 0 and row["s_per_row"] == pytest.approx(row["wall_s"] / len(rows))
     assert row["label"] == "here" and row["dtype"] == "float32"  # the smoke preset forces fp32
     assert row["peak_rss_mb"] > 100  # this process holds torch and the model at least
+
+
+def test_counted_flops_are_the_matmuls_and_only_them():
+    """FlopCounterMode's count over a job: 2·M·K·N per product (mm, addmm, bmm), nothing for elementwise operators."""
+    from kvlab.profile_eval import counted_gflop
+
+    a, b, bias = torch.randn(6, 5), torch.randn(5, 7), torch.randn(7)
+
+    def job():
+        torch.nn.functional.linear(a, b.T, bias)  # addmm
+        torch.bmm(a[None].expand(3, -1, -1), b[None].expand(3, -1, -1))  # bmm, 3 products
+        (a @ b).exp().sum()  # mm, then elementwise work that has no flops here
+
+    assert counted_gflop(job) == pytest.approx(2 * 6 * 5 * 7 * 5 / 1e9)

@@ -1,13 +1,14 @@
-"""Where an evaluation job's time goes: one job of `config.yaml` (its first round, or its first samples) under torch's
-profiler, its samples batched as the job batches them and its noise floor measured on as many as the job measures it.
+"""Where an evaluation job's time goes, and how far it is from its matmul floor: one job of `config.yaml` (its first
+`--samples`, batched as the job batches them, its noise floor measured on as many as the job measures it) timed
+plainly, its matmul flops counted, and its first `--profile-samples` run under torch's profiler.
 
     python -m kvlab.profile_eval --model-dir resources/models/qwen2.5-0.5b \
-        --calibration results/calibration/qwen2.5-0.5b --task variable_tracking --ctx 1024 --samples 1 \
-        --out results/profile/variable_tracking-1024.parquet
+        --calibration results/calibration/qwen2.5-0.5b --task prose_kl --ctx 512 --samples 10 \
+        --out results/profile/prose_kl-512.parquet
 
 The engine marks its phases with `torch.profiler.record_function` (`kvlab.*`; free when no profiler runs).
 One row per phase or operator class: its seconds (inclusive for phases, self time for operators), calls and
-share of the profiled wall time.
+share of the profiled wall time (`profiled_wall_s`).
 
 - phases: prefill, compress, cache_stats, decode_reference (the full cache's answer), decode_diverged (rows
   that leave it), teacher_forced (one pass along it), noise_floor (the measured full rows teacher-forced again one
@@ -17,16 +18,17 @@ share of the profiled wall time.
 - operators: matmul (linear / mm / addmm / bmm self time), sdpa, host_sync (`item` / `_local_scalar_dense`:
   the host waiting for a value), and all the other operators' self time;
 - python_and_rest: wall time not spent inside any operator (interpreter, tokenizer, scoring);
-- roofline: the matmuls' floating-point operations (torch's profiler counts them for mm, addmm and bmm), this CPU's
-  measured matmul rate in the job's dtype and threads (`peak_matmul_gflops`, the best of the engine's shapes: a
-  prefill's and a teacher-forced batch's MLP and LM head, a decode step's MLP), the rate the job's matmuls reached
-  (`matmul_gflops`: their flops over their self time) and `matmul_floor_s`, the seconds those flops need at the
-  peak: the least any engine could spend on this job's matmuls without computing fewer of them; `wall_over_floor`,
-  the job's unprofiled wall time over that floor (the roofline issue's ratio). Rows name the dtype (`--dtype` forces
+- roofline: the job's matmul floating-point operations (`matmul_gflop`: mm, addmm and bmm, counted by torch's
+  FlopCounterMode over the whole job, as the profiler counts them), this CPU's measured matmul rate in the job's
+  dtype and threads (`peak_matmul_gflops`, the best of the engine's shapes: a prefill's and a teacher-forced batch's
+  MLP and LM head, a decode step's MLP), the rate the profiled samples' matmuls reached (`matmul_gflops`: their
+  flops over their self time) and `matmul_floor_s`, the seconds the job's flops need at the peak: the least any
+  engine could spend on this job's matmuls without computing fewer of them; `wall_over_floor`, the job's
+  unprofiled wall time (`wall_s`) over that floor (the roofline issue's ratio). Rows name the dtype (`--dtype` forces
   one, e.g. float32 on a bf16-capable CPU), the threads, the device and the CPU kind (bf16-capable or fp32 only).
 
-The profiler adds a few microseconds per operator, so shares matter more than absolute seconds; the
-`wall_s` row is the same job without the profiler, for scale.
+The profiler adds a few microseconds per operator and holds every call in memory, so shares matter more than
+absolute seconds, and `--profile-samples` stays small (default 1); `wall_s` is the whole job without it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils.flop_counter import FlopCounterMode
 
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
@@ -75,15 +78,29 @@ def peak_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> float:
     return best
 
 
-def roofline_rows(events, peak: float, wall: float) -> list[dict]:
-    """The matmuls' counted flops, the rate they ran at, the peak, the seconds the flops need at it and the job's
-    wall time (unprofiled) over those seconds."""
+def matmul_gflop(events) -> tuple[float, float]:
+    """The matmuls' flops (GFLOP, as torch's profiler counts them) and self seconds among the profiler's events."""
     sel = [e for e in events if e.key in OPERATORS["matmul"]]
-    flops = float(sum(e.flops for e in sel))
-    seconds = sum(e.self_cpu_time_total for e in sel) / 1e6
-    floor = flops / 1e9 / peak
-    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": float("nan"), "calls": 0, "value": flops / 1e9},
-            {"kind": "roofline", "name": "matmul_gflops", "seconds": seconds, "calls": 0, "value": flops / 1e9 / seconds},
+    return float(sum(e.flops for e in sel)) / 1e9, sum(e.self_cpu_time_total for e in sel) / 1e6
+
+
+def counted_gflop(job) -> float:
+    """The matmul GFLOP of running `job()`, counted by torch's FlopCounterMode (mm, addmm, bmm: the operators the
+    profiler counts): the same numbers as the profiler's, without holding an event per operator call, so a whole
+    job's first round fits in memory (the profiler's events of 10 prose_kl samples went past 23 GB)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        job()
+    counts = counter.get_flop_counts().get("Global", {})
+    return sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)) / 1e9
+
+
+def roofline_rows(gflop: float, rate: tuple[float, float], peak: float, wall: float) -> list[dict]:
+    """The job's matmul GFLOP, the rate its profiled samples' matmuls ran at (`rate`: their GFLOP and seconds), the
+    peak, the seconds the job's flops need at it and the job's wall time (unprofiled) over those seconds."""
+    floor = gflop / peak
+    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": float("nan"), "calls": 0, "value": gflop},
+            {"kind": "roofline", "name": "matmul_gflops", "seconds": rate[1], "calls": 0, "value": rate[0] / rate[1]},
             {"kind": "roofline", "name": "peak_matmul_gflops", "seconds": float("nan"), "calls": 0, "value": peak},
             {"kind": "roofline", "name": "matmul_floor_s", "seconds": floor, "calls": 0, "value": float("nan")},
             {"kind": "roofline", "name": "wall_over_floor", "seconds": float("nan"), "calls": 0, "value": wall / floor}]
@@ -115,7 +132,10 @@ def profile_rows(events, wall: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
-    ap = job_arguments(__doc__.split("\n\n")[0], "profile the task's first N samples", samples_default=1)
+    ap = job_arguments(__doc__.split("\n\n")[0], "the job's first N samples (the task's first round: its `samples`)",
+                       samples_default=1)
+    ap.add_argument("--profile-samples", type=int, default=1, help="how many of them run under the profiler (phases, "
+                    "operators, the matmul rate): it holds every operator call in memory")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     spec, run = job_settings(Path(args.config), args.task, args.preset)
@@ -126,9 +146,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     dtype = run["dtype"]
     model, tokenizer = load_model(args.model_dir, dtype, run["device"])
     samples = generate(args.task, spec, tokenizer, args.ctx)[: args.samples]
+    profiled = samples[: max(1, min(args.profile_samples, len(samples)))]
     grid = variants(run["methods"], run["budgets"], args.task)
     max_new = max_new_tokens(spec, run["max_new_tokens"])
-
     at_once = samples_at_once(args.ctx or max(s.prompt.tokens for s in samples))
     noise = run.get("noise_floor_samples", len(samples))
 
@@ -143,17 +163,18 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     t0 = time.perf_counter()
     rows = job()
     plain = time.perf_counter() - t0
+    gflop = counted_gflop(job)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         t0 = time.perf_counter()
-        job()
+        job(profiled)
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(events, peak_matmul_gflops(model.dtype), plain))
+    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(gflop, matmul_gflop(events), peak_matmul_gflops(model.dtype), plain))
     out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
                                          "share": 1.0}])], ignore_index=True)
-    out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), rows=len(rows), variants=len(grid),
-                     dtype=dtype, threads=run["threads"], device=device_name(run["device"]),
+    out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), profiled_samples=len(profiled),
+                     rows=len(rows), variants=len(grid), dtype=dtype, threads=run["threads"], device=device_name(run["device"]),
                      cpu_kind="bf16-capable" if bf16_matmul_native(run["device"]) else "fp32 only (no AVX512-BF16 or AMX)")
     write_parquet(out, args.out)
     print(out[["kind", "name", "seconds", "calls", "share", "value"]].to_string(index=False))
