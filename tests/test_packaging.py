@@ -1,6 +1,9 @@
 """kernels/ is installed as kvlab.kernels, never as a bare `kernels` that would shadow Hugging Face's."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from transformers.utils import import_utils
@@ -18,3 +21,15 @@ def test_kernels_folder_is_kvlab_kernels():
 
 def test_transformers_kernels_probe_does_not_break():
     assert import_utils.is_kernels_available() in (True, False)
+
+
+def test_kvlab_asks_for_huge_pages_before_torch_is_imported():
+    """PyTorch's CPU allocator reads THP_MEM_ALLOC_ENABLE once, at torch's first allocation: importing kvlab sets it
+    (a user's own value wins) and imports no torch itself, so every kvlab module that imports torch comes after."""
+    code = "import os, sys, kvlab; print('torch' in sys.modules, os.environ['THP_MEM_ALLOC_ENABLE'])"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    for given, seen in ((None, "1"), ("0", "0")):
+        if given is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = given
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        assert out.split() == ["False", seen]
