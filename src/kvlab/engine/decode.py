@@ -292,8 +292,13 @@ def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""
     p_ref = logp[ref].exp()
-    # row by row, so the temporaries are (T, vocabulary), not (B, T, vocabulary)
-    kl = torch.stack([(p_ref * (logp[ref] - row)).sum(-1) for row in logp]).clamp_min(0)  # (B, T)
+    # row by row in one (T, vocabulary) scratch block, so no (B, T, vocabulary) temporary and no fresh block per row
+    # (p_ref · (logp_ref − row), bitwise as written out; half the time of a new product per row)
+    scratch, kl = torch.empty_like(p_ref), []
+    for row in logp:
+        torch.sub(logp[ref], row, out=scratch)
+        kl.append(scratch.mul_(p_ref).sum(-1))
+    kl = torch.stack(kl).clamp_min(0)  # (B, T)
     target = torch.tensor(path, device=logp.device)
     nll = -logp.gather(-1, target.expand(logp.shape[0], -1)[..., None])[..., 0]  # (B, T)
     return [
