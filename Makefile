@@ -41,8 +41,9 @@ smoke: setup
 test: setup system
 	$(BIN)/pytest -q --durations=25
 
+# -n: the unit tests spread over $(CORES) worker processes (pytest-xdist; each test is independent of the others)
 test-fast: setup
-	$(BIN)/pytest -q -m "not integration and not slow" --durations=25
+	$(BIN)/pytest -q -n $(CORES) -m "not integration and not slow" --durations=25
 
 lint: setup
 	$(BIN)/ruff check src kernels tests workflow
