@@ -801,3 +801,14 @@ def test_stepped_prompts_in_one_batch_equal_each_alone(tiny, sharp):
         torch.testing.assert_close(logp, alone, rtol=0, atol=1e-4)
         torch.testing.assert_close(logp, one_pass[0], rtol=0, atol=1e-4)
         assert choice.tolist() == alone_choice.tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_is_argmax_ties_included(dtype):
+    """The engine's greedy choice is argmax's: the first maximum where several positions tie."""
+    from kvlab.engine.decode import greedy
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (4, 9, 1000), generator=g).to(dtype)  # many ties at the maximum
+    logits[0, 0, 5] = logits[0, 0, 999] = 7  # a tie far apart
+    assert torch.equal(greedy(logits), logits.argmax(-1)) and greedy(logits)[0, 0] == 5

@@ -16,6 +16,13 @@ from kvlab.kernels import stream as kvstream
 from kvlab.kernels.layer import own_layout
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token at each position: the first maximum over the last axis, as `argmax` gives it (`max`'s indices
+    are documented to be the first maximum too), in a quarter of argmax's time on bf16 CPU tensors (0.9 s against
+    0.2 s for 25 rows × 128 positions of Qwen's 152K-token vocabulary)."""
+    return logits.max(-1).indices
+
+
 @torch.no_grad()
 @record_function("kvlab.greedy_decode")
 def greedy_decode(
@@ -38,7 +45,7 @@ def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: s
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max_new_tokens):
-        nxt = batch.forward(x, pos)[:, -1].argmax(-1)
+        nxt = greedy(batch.forward(x, pos)[:, -1])
         pos += x.shape[1]
         going = []
         for row, token in enumerate(nxt.tolist()):
@@ -66,7 +73,7 @@ def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]]
         return [greedy_decode(model, [cache], tail, start, max_new_tokens)[0] for cache, tail, start in requests]
     batch, logits = _joined(model, requests)
     eos = stop_ids(model)
-    first = logits.argmax(-1)
+    first = greedy(logits)
     out = [[t] for t in first.tolist()]
     going = [i for i, t in enumerate(first.tolist()) if t not in eos]
     if max_new_tokens > 1 and going:
@@ -148,7 +155,7 @@ def teacher_forced(
         for j, row in enumerate(group):
             out[row].copy_(logits[j])
             torch.log_softmax(out[row], dim=-1, out=out[row])
-        choice[group] = logits.max(-1).indices  # argmax's first maximum, 4× faster than argmax on bf16 CPU tensors
+        choice[group] = greedy(logits)
     return out, choice
 
 
@@ -241,7 +248,7 @@ def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]
     results = []
     for rows in logits:
         stacked = torch.stack(rows)
-        results.append((torch.log_softmax(stacked.float(), dim=-1), stacked.argmax(-1)))
+        results.append((torch.log_softmax(stacked.float(), dim=-1), greedy(stacked)))
     return results
 
 
@@ -283,7 +290,7 @@ def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]
         if key not in done:
             x = torch.tensor([list(ids) + list(path[:-1])], device=other.device)
             logits = other(input_ids=x, logits_to_keep=len(path), use_cache=False).logits[0]  # the last id predicts path[0]
-            done[key] = (torch.log_softmax(logits.float(), dim=-1).to(logp_ref.device), logits.argmax(-1).to(logp_ref.device))
+            done[key] = (torch.log_softmax(logits.float(), dim=-1).to(logp_ref.device), greedy(logits).to(logp_ref.device))
         out.append(_against("dtype_noise", logp_ref, *done[key], path))
     return out
 
