@@ -54,6 +54,12 @@ def samples_at_once(context_tokens: int) -> int:
     return max(1, 8192 // context_tokens)
 
 
+def noise_samples(run: dict, start: int, total: int) -> int:
+    """How many samples of a batch that starts at the job's sample `start` get the noise floor: the noise floor is
+    measured on the job's first `noise_floor_samples` samples (default: all `total`)."""
+    return max(0, run.get("noise_floor_samples", total) - start)
+
+
 def check_lengths(task: str, samples: list, cap: int, limit: int) -> None:
     """Every prompt, with its answer's cap, within the model's context (checked before any work: a dataset row at its
     natural length can exceed it)."""
@@ -185,7 +191,6 @@ def run_job(
 
             for start in range(done, end, at_once):
                 chunk = samples[start : min(end, start + at_once)]
-                noise = max(0, run.get("noise_floor_samples", len(samples)) - start)  # the job's first samples
                 in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
                 in_batch = [0, 0]  # this batch's finished samples and their rows, as the engine reports them
 
@@ -198,7 +203,8 @@ def run_job(
                     in_batch[1] += n
 
                 with heartbeat(line):
-                    found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap, noise_samples=noise,
+                    found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap,
+                                             noise_samples=noise_samples(run, start, len(samples)),
                                              other=other if in_dtype else None, other_samples=in_dtype, open_modes=still,
                                              on_rows=finished)
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}

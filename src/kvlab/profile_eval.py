@@ -43,7 +43,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
-from kvlab.evaluate import load_model, samples_at_once
+from kvlab.evaluate import load_model, noise_samples, samples_at_once
 from kvlab.hardware import bf16_matmul_native, device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
@@ -150,13 +150,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     grid = variants(run["methods"], run["budgets"], args.task)
     max_new = max_new_tokens(spec, run["max_new_tokens"])
     at_once = samples_at_once(args.ctx or max(s.prompt.tokens for s in samples))
-    noise = run.get("noise_floor_samples", len(samples))
 
     def job(todo=samples):  # as the job's first round batches its samples (kvlab.evaluate.run_job), its noise floor too
         rows = []
         for start in range(0, len(todo), at_once):
             rows += evaluate_samples(model, tokenizer, todo[start : start + at_once], grid, run["question_modes"], max_new,
-                                     noise_samples=max(0, noise - start))
+                                     noise_samples=noise_samples(run, start, len(todo)))
         return rows
 
     job(samples[:1])  # warm-up: first calls allocate and pick kernels
