@@ -679,10 +679,11 @@ def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
     assert together == alone and len({tuple(a) for a in alone}) == 3
 
 
-def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
-    """evaluate_samples over several samples (references decoded as one batch) gives each sample's rows as
-    evaluating it alone does, apart from the time columns and the noise floor's KL, whose steps run in a batch of
-    every sample's full rows: another batch composition, rounding only."""
+def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp, monkeypatch):
+    """evaluate_samples over several samples (references decoded as one batch, then the rows that leave them, of
+    every sample, as one batch per kind) gives each sample's rows as evaluating it alone does, apart from the time
+    columns and the noise floor's KL, whose steps run in a batch of every sample's full rows: another batch
+    composition, rounding only."""
     from kvlab.engine import evaluate_samples
 
     tokenizer = tiny[1]
@@ -698,6 +699,13 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp):
         assert full["noise_kl"].notna().all() and (full["noise_kl_max"] < 1e-6).all()
     floor = ["noise_kl", "noise_kl_max"]
     pd.testing.assert_frame_equal(together.drop(columns=timing + floor), alone.drop(columns=timing + floor))
+    # rows of both samples left the full answer: their decoding ran as one batch across samples
+    left = together[(together["method"] != "full") & together["diverged_at"].notna()]
+    assert left["sample_id"].nunique() == 2 and left["method"].nunique() == 2
+    # with no room for waiting caches, each sample's diverged rows decode as soon as it is verified: the same rows
+    monkeypatch.setattr("kvlab.engine.sample.DIVERGED_BYTES", 0)
+    each = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8))
+    pd.testing.assert_frame_equal(each.drop(columns=timing + floor), together.drop(columns=timing + floor))
 
 
 def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
@@ -812,3 +820,30 @@ def test_greedy_is_argmax_ties_included(dtype):
     logits = torch.randint(0, 3, (4, 9, 1000), generator=g).to(dtype)  # many ties at the maximum
     logits[0, 0, 5] = logits[0, 0, 999] = 7  # a tie far apart
     assert torch.equal(greedy(logits), logits.argmax(-1)) and greedy(logits)[0, 0] == 5
+
+
+def test_groups_of_several_prompts_and_kinds_decode_as_one_batch(tiny, sharp):
+    """decode_groups: groups of caches of different prompts (lengths, tails, positions, caps) and of every kind a
+    batch keeps (dense, evicted, re-rotated, masked per head, quantized, two copies of one quantized cache stacked,
+    H2O, cross-layer sharing, block-sparse reads), split out of their groups' batches and decoded as one batch, give
+    each group's answers as decoding the group alone does."""
+    from kvlab.engine import decode_groups
+
+    tokenizer = tiny[1]
+    int8 = {"scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel", "value_axis": "token"}
+    kinds = [Variant("full", "full", 1.0), Variant("snap", "kvpress", 0.5, SNAP),
+             Variant("rerot", "kvpress", 0.25, {**STREAM, "wrapper": "KeyRerotationPress"}),
+             Variant("ada", "kvpress", 0.25, {**SNAP, "wrapper": "AdaKVPress"}),
+             Variant("kivi2", "quant", 1.0, VERIFY_METHODS["kivi2"]), Variant("int8", "quant", 1.0, int8),
+             Variant("h2o", "h2o", 0.25, {"recent": 0.5}), Variant("cla2", "cross_layer", 1.0, {"every": 2}),
+             Variant("moba", "block_sparse", 0.25, {"selector": "moba", "block": 16})]
+    groups = []
+    for seed, ctx, pick, cap in ((1, 500, [1, 2, 3], 9), (2, 620, [4, 5, 5, 0], 12), (3, 560, [6, 7, 8, 3], 5)):
+        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        base = prefill(sharp, s.prompt.context)
+        made = {i: compress(sharp, base, kinds[i]) for i in set(pick)}
+        groups.append(([made[i] for i in pick], s.prompt.question + s.prompt.suffix, base.length, cap))
+    alone = [greedy_decode(sharp, caches, tail, start, cap) for caches, tail, start, cap in groups]
+    assert decode_groups(sharp, groups) == alone
+    assert len({tuple(a) for answers in alone for a in answers}) > 3 and max(map(len, alone[1])) > 5
+    assert all(len(a) <= cap for (_, _, _, cap), answers in zip(groups, alone) for a in answers)

@@ -15,7 +15,7 @@ from kvlab.models.structure import is_sliding
 from kvlab.engine.prefill import KVCache, shallow_copy
 from kvlab.kernels import decode_attention, kvcache
 from kvlab.kernels import stream as kvstream
-from kvlab.kernels.layer import FusedRow, KVLayer, fork_layer, hidden_entries, own_layout, wants_query
+from kvlab.kernels.layer import FusedRow, KVLayer, Masked, fork_layer, hidden_entries, own_layout, wants_query
 
 
 def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> torch.Tensor | None:
@@ -171,6 +171,12 @@ class Rows(KVLayer):
     def get_seq_length(self) -> int:
         return max(self.held())
 
+    def single_rows(self) -> list:
+        """Each batch row's own layer, as updated so far (a stacked layer's rows taken apart)."""
+        return [part for layer, span in self.slices()
+                for part in ([layer] if span.stop - span.start == 1 else
+                             [kvcache.select_rows(layer, [i]) for i in range(span.stop - span.start)])]
+
     def keep(self, rows: list[int]) -> None:
         """Keep these batch rows (ascending), dropping the others."""
         kept, sizes = [], []
@@ -275,6 +281,43 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.lengths[0])
+
+    def splittable(self) -> bool:
+        """Whether `split` can take the rows apart: no sliding-window layer (it keeps its own window)."""
+        return all(isinstance(layer, (Rows, Growing)) for layer in self.cache.layers)
+
+    def split(self) -> list[DynamicCache]:
+        """Each row as a cache of its own: what it held, then the tokens fed since stacking, without padding (a dense
+        layer whose press hid entries per head keeps hiding them: `Masked`), at position shift 0. A new Batch over
+        such caches reads them as this one does, so rows fed in different batches (other prompts, other tails) can
+        decode as one batch, each at its own positions (set `shift`). Needs `splittable`."""
+        if not self.splittable():
+            raise ValueError("Batch.split: a sliding-window layer keeps its own window and cannot be split into rows")
+        out = []
+        for _ in range(self.size):
+            cache = shallow_copy(self.cache)
+            if isinstance(cache, KVCache):
+                cache.position_shift, cache.step_kv = 0, None
+            out.append(cache)
+        for idx, layer in enumerate(self.cache.layers):
+            rows = layer.single_rows() if isinstance(layer, Rows) else [self._dense_row(idx, r) for r in range(self.size)]
+            for cache, row in zip(out, rows):
+                cache.layers[idx] = row
+        return out
+
+    def _dense_row(self, idx: int, row: int) -> DynamicLayer:
+        """Row `row` of the dense layer `idx`: its own entries, then the tail, as a layer of its own."""
+        layer, held, width = self.cache.layers[idx], int(self.lengths[idx][row]), self.padded[idx]
+        keys = torch.cat([layer.keys[row : row + 1, :, :held], layer.keys[row : row + 1, :, width:]], dim=-2)
+        values = torch.cat([layer.values[row : row + 1, :, :held], layer.values[row : row + 1, :, width:]], dim=-2)
+        hidden = self.masked[idx]
+        if hidden is not None and bool(hidden[row].any()):
+            tail = hidden.new_zeros(1, hidden.shape[1], keys.shape[-2] - held)
+            return Masked(keys, values, torch.cat([hidden[row : row + 1, :, :held], tail], dim=-1))
+        out = DynamicLayer()
+        out.lazy_initialization(keys, values)
+        out.keys, out.values = keys, values
+        return out
 
     def keep(self, rows: list[int]) -> None:
         """Drop every other row (finished sequences stop costing compute)."""

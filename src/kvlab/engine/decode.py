@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import record_function
@@ -40,17 +40,19 @@ def greedy_decode(
     return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set())
 
 
-def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: set[int]) -> list[list[int]]:
-    """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or the cap."""
+def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int]) -> list[list[int]]:
+    """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or its cap (`caps`: one for
+    every row, or each row's own)."""
+    caps = [caps] * batch.size if isinstance(caps, int) else caps
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
-    for _ in range(max_new_tokens):
+    for _ in range(max(caps, default=0)):
         nxt = greedy(batch.forward(x, pos)[:, -1])
         pos += x.shape[1]
         going = []
         for row, token in enumerate(nxt.tolist()):
             out[live[row]].append(token)
-            if token not in eos:
+            if token not in eos and len(out[live[row]]) < caps[live[row]]:
                 going.append(row)
         if not going:
             break
@@ -65,37 +67,58 @@ def _greedy(batch: Batch, x: torch.Tensor, pos: int, max_new_tokens: int, eos: s
 @record_function("kvlab.decode_reference")
 def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy answers of several dense caches of different prompts, each `(cache, tail, start)`: every tail is fed
-    to its own cache, then all rows decode as one batch, each at its own positions (so each step reads the
-    weights once for all of them). Rows are right-padded and masked as in any batch; models with sliding-window
-    layers (equal across rows only within one prompt) decode each request alone."""
-    sliding = any(is_sliding(model, i) for i in range(len(requests[0][0].layers))) if requests else False
-    if len(requests) < 2 or sliding:
-        return [greedy_decode(model, [cache], tail, start, max_new_tokens)[0] for cache, tail, start in requests]
-    batch, logits = _joined(model, requests)
+    to its own cache, then all rows decode as one batch, each at its own positions (`decode_groups`)."""
+    return [answer for (answer,) in decode_groups(model, [([cache], tail, start, max_new_tokens)
+                                                          for cache, tail, start in requests])]
+
+
+def joinable(model, caches: list[DynamicCache]) -> bool:
+    """Whether rows of these caches can join rows of other prompts in one batch (`Batch.split`): the model has no
+    sliding-window layer (such layers are equal across rows only within one prompt)."""
+    return not any(is_sliding(model, i) for i in range(len(caches[0].layers))) if caches else True
+
+
+@torch.no_grad()
+def decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int, int]]) -> list[list[list[int]]]:
+    """Greedy answers of several groups of caches, each `(caches, tail, start, cap)`, as `greedy_decode(model, caches,
+    tail, start, cap)` gives them: each group's tail is fed to its caches in one pass, then every row of every group
+    decodes in one batch, each at its own positions until EOS or its group's cap, so each step reads the weights
+    once for all of them (a one-token step at a few rows is bound by those reads, not by its arithmetic). Groups that
+    cannot join (`joinable`: models with sliding-window layers) decode one after another."""
+    if len(groups) < 2 or not all(joinable(model, caches) for caches, *_ in groups):
+        return [greedy_decode(model, caches, tail, start, cap) for caches, tail, start, cap in groups]
+    batch, logits = _joined(model, [(caches, tail, start) for caches, tail, start, _ in groups])
+    caps = [cap for caches, _, _, cap in groups for _ in caches]
     eos = stop_ids(model)
     first = greedy(logits)
     out = [[t] for t in first.tolist()]
-    going = [i for i, t in enumerate(first.tolist()) if t not in eos]
-    if max_new_tokens > 1 and going:
+    going = [i for i, t in enumerate(first.tolist()) if t not in eos and caps[i] > 1]
+    if going:
         if len(going) < batch.size:
             batch.keep(going)
-        rest = _greedy(batch, first[going, None], 0, max_new_tokens - 1, eos)
+        rest = _greedy(batch, first[going, None], 0, [caps[i] - 1 for i in going], eos)
         for i, more in zip(going, rest):
             out[i] += more
-    return out
+    answers, start = [], 0
+    for caches, *_ in groups:
+        answers.append(out[start : start + len(caches)])
+        start += len(caches)
+    return answers
 
 
-def _joined(model, requests: list[tuple[DynamicCache, list[int], int]]) -> tuple[Batch, torch.Tensor]:
-    """Each request's tail fed to its own cache `(cache, tail, start)`, then every row joined into one right-padded
-    batch whose positions continue per row (`Batch.shift`: feeding at position p puts row i at start + len(tail) + p);
-    and each row's last logits (B, V), which predict its first new token."""
-    first, fed = [], []
-    for cache, tail, start in requests:
-        one = Batch(model, [cache])
-        first.append(one.forward(torch.tensor([tail], device=model.device), start)[:, -1])
-        fed.append(one.cache)
+def _joined(model, groups: list[tuple[list[DynamicCache], list[int], int]]) -> tuple[Batch, torch.Tensor]:
+    """Each group's tail fed to its caches in one pass `(caches, tail, start)`, then every row joined into one
+    right-padded batch (`Batch.split`) whose positions continue per row (`Batch.shift`: feeding at position p puts a
+    row at start + len(tail) + p, plus its own shift if re-rotated); and each row's last logits (rows, V), which
+    predict its first new token."""
+    first, fed, shift = [], [], []
+    for caches, tail, start in groups:
+        one = Batch(model, caches)
+        first.append(one.forward(torch.tensor([tail] * one.size, device=model.device), start)[:, -1])
+        fed += one.split()
+        shift.append(one.shift + start + len(tail))
     batch = Batch(model, fed)
-    batch.shift = torch.tensor([start + len(tail) for _, tail, start in requests], device=model.device)
+    batch.shift = torch.cat(shift)
     return batch, torch.cat(first)
 
 
@@ -167,30 +190,53 @@ def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
 
 
 @dataclass
+class Diverged:
+    """Rows of one verified turn that left the reference's answer and still decode: their indices, whether they are
+    stepwise (quantized, H2O: fed from the tail) or dense (fed the prefix of the reference's answer they all share,
+    `prefix`), and their `decode_groups` group (caches, tail + prefix, start, cap)."""
+
+    rows: list[int]
+    stepwise: bool
+    prefix: list[int]
+    group: tuple[list[DynamicCache], list[int], int, int]
+
+
+@dataclass
 class Verified:
     """verified_decode's result: answers, log-probabilities along the reference's answer, first divergences,
-    and the seconds spent decoding step by step and in the teacher-forced pass."""
+    and the seconds spent decoding step by step and in the teacher-forced pass. From `verify`, `diverged` lists the
+    rows still to decode (their answers are the reference's until `settle`)."""
 
     answers: list[list[int]]
     logp: torch.Tensor
     first: list[int | None]
     decode_s: float
     teacher_forced_s: float
+    diverged: list[Diverged] = field(default_factory=list)
+
+    def settle(self, decoded: list[list[list[int]]], seconds: float) -> None:
+        """Set the diverged rows' answers (`decode_groups` of `diverged`' groups, in order) and add their seconds."""
+        for part, rest in zip(self.diverged, decoded, strict=True):
+            for i, answer in zip(part.rows, rest, strict=True):
+                self.answers[i] = part.prefix + answer
+        self.diverged, self.decode_s = [], self.decode_s + seconds
 
 
 @torch.no_grad()
-def verified_decode(
+def verify(
     model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
     path: list[int] | None = None,
 ) -> Verified:
-    """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer.
+    """Every row's answer where it follows the reference's, and the rows that leave it, still to decode (`Verified`'s
+    `diverged`; `verified_decode` decodes them at once, kvlab.engine.sample with other samples' diverged rows).
 
     Greedy decoding is deterministic: a row whose greedy choice equals the reference row's answer at every
     position of it (EOS included) produces exactly that answer (tests/test_engine.py checks the answers against
     decoding every row). So the reference row (`ref`) is decoded alone;
     one teacher-forced pass along its answer (which the KL needs anyway) gives every row's choice at every
     position; only rows that diverge are decoded: dense ones from the prefix they all share (fed in one pass),
-    stepwise ones (quantized, H2O) from the tail, each kind as one batch. Returns the answers, the
+    stepwise ones (quantized, H2O) from the tail, each kind as one batch (one quantized or H2O row would turn every
+    layer of a batch into per-row updates, `Rows`, and such rows must be fed token by token). The result holds the
     teacher-forced log-probabilities (B, len(path), V) along the reference's answer, and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
@@ -202,21 +248,31 @@ def verified_decode(
     logp, choice = teacher_forced(model, caches, tail, path, start)
     first = first_divergence(choice, path)
     t2 = time.perf_counter()
-    out = [list(path) for _ in caches]
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
     steps = [i for i in diverged if stepwise(caches[i])]
     dense = [i for i in diverged if i not in steps]
-    # Two batches: dense rows stack into plain tensors and skip the prefix they all share (fed at once); one
-    # quantized or H2O row would turn every layer of a batch into per-row updates (`Rows`), and such rows start
-    # at the tail, as they must be fed token by token.
-    for group, shared in ((dense, min((first[i] for i in dense), default=0)), (steps, 0)):
+    parts = []
+    for group, shared, is_stepwise in ((dense, min((first[i] for i in dense), default=0), False), (steps, 0, True)):
         if group:
-            prefix = path[:shared]
-            with record_function("kvlab.decode_diverged"):
-                rest = greedy_decode(model, [caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)
-            for i, answer in zip(group, rest):
-                out[i] = prefix + answer
-    return Verified(out, logp, first, t1 - t0 + time.perf_counter() - t2, t2 - t1)
+            prefix = list(path[:shared])
+            parts.append(Diverged(group, is_stepwise, prefix,
+                                  ([caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)))
+    return Verified([list(path) for _ in caches], logp, first, t1 - t0, t2 - t1, parts)
+
+
+@torch.no_grad()
+def verified_decode(
+    model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
+    path: list[int] | None = None,
+) -> Verified:
+    """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer (`verify`,
+    then its diverged rows decoded, each kind as one batch)."""
+    run = verify(model, caches, ref, tail, start, max_new_tokens, path)
+    t0 = time.perf_counter()
+    with record_function("kvlab.decode_diverged"):
+        decoded = [decode_groups(model, [part.group])[0] for part in run.diverged]
+    run.settle(decoded, time.perf_counter() - t0)
+    return run
 
 
 @torch.no_grad()
@@ -231,7 +287,7 @@ def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]
         return [out for request in requests for out in stepped(model, [request])]
     if any(not tail or not path for _, tail, path, _ in requests):
         raise ValueError("stepping a path needs a tail token after the cache and at least one path token")
-    batch, first = _joined(model, [(cache, tail, start) for cache, tail, _, start in requests])
+    batch, first = _joined(model, [([cache], tail, start) for cache, tail, _, start in requests])
     paths = [path for _, _, path, _ in requests]
     logits = [[f] for f in first]
     live = list(range(len(requests)))

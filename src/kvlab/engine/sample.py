@@ -6,10 +6,16 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import partial
+
+from torch.profiler import record_function
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import decode_references, divergence, dtype_floor, greedy_decode, noise_floor, teacher_forced, verified_decode
+from kvlab.engine.decode import (
+    Verified, decode_groups, decode_references, divergence, dtype_floor, greedy_decode, noise_floor, teacher_forced, verify,
+)
 from kvlab.engine.prefill import Prefilled, prefill
+from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
 from kvlab.tasks.scoring import score
@@ -90,8 +96,9 @@ def evaluate_samples(
 
     The full cache's answers of every sample, compression and turn are decoded first, as one batch
     (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache,
-    and `verified_decode` gives every variant's answer from one teacher-forced pass along the full answer,
-    decoding only the rows that leave it. With `kl`, KL and NLL come from that pass: along the sample's
+    and `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows
+    that leave it: those of every sample are decoded together at the end, one batch per kind (`_decode_diverged`;
+    at most DIVERGED_BYTES of their caches wait: beyond, the samples so far are decoded then). With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
     (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample),
@@ -100,7 +107,8 @@ def evaluate_samples(
     (`decode.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
     None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
     for the compressions that give one of its modes (it still gets every row those compressions give). `on_rows`, if
-    given, is called with the number of rows each sample added as soon as they exist (a job's progress lines).
+    given, is called with the number of rows each sample adds once its teacher-forced passes are done (its
+    diverged rows' answers may still wait for the joint decode; a job's progress lines).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -118,21 +126,65 @@ def evaluate_samples(
         return limit is None or i < limit
 
     rows, pending, owner = [], [], []  # pending: (noise-floor request, its rows, the token ids before its path)
+    waiting, runs, held = [], [], 0  # samples' row makers and verified turns whose diverged rows are not decoded yet
+
+    def settle():  # decode every waiting turn's diverged rows in one batch per kind, then make the rows, in order
+        nonlocal rows, owner, waiting, runs, held
+        _decode_diverged(model, runs)
+        for i, makers in waiting:
+            before = len(pending)
+            found = [row for make in makers for row in make()]
+            rows += found
+            owner += [i] * (len(pending) - before)
+        waiting, runs, held = [], [], 0
+
     for i, pl in enumerate(plans):
-        before = len(pending)
         wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
-        found = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl, {k[1:]: v for k, v in paths.items() if k[0] == i},
-                      reference_s, pending if wanted_here else None, open_modes)
-        rows += found
+        makers, verified, count = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl,
+                                 {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
+                                 pending if wanted_here else None, open_modes)
+        waiting.append((i, makers))
+        runs += verified
+        held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group[0])
         if on_rows is not None:
-            on_rows(len(found))
-        owner += [i] * (len(pending) - before)
+            on_rows(count)
+        if held > DIVERGED_BYTES:
+            settle()
+    settle()
     _fill(pending, [measured(noise_samples, i) for i in owner], lambda todo: noise_floor(model, [r for r, _, _ in todo]), "noise_s")
     if other is not None:
         dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
         _fill(pending, [measured(other_samples, i) for i in owner],
               lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(ids, r[2], r[4]) for r, _, ids in todo])], "dtype_noise_s")
     return rows
+
+
+DIVERGED_BYTES = 1 << 30  # diverged rows' caches (stored bytes) that wait for one joint decode at most
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache's layers store (kvcache.layer_nbytes)."""
+    return sum(layer_nbytes(layer) for layer in cache.layers)
+
+
+@record_function("kvlab.decode_diverged")
+def _decode_diverged(model, runs: list[Verified]) -> None:
+    """Decode the rows that left their reference's answer in these verified turns (of several samples): every dense
+    group in one batch, every stepwise group in another (`decode_groups`: each step reads the weights once for all),
+    and settle each turn, its decode seconds the share of its rows in its kind's batch."""
+    parts = [(run, part) for run in runs for part in run.diverged]
+    answers, seconds = {}, {}
+    for kind in (False, True):
+        chosen = [(run, part) for run, part in parts if part.stepwise == kind]
+        if not chosen:
+            continue
+        t0 = time.perf_counter()
+        decoded = decode_groups(model, [part.group for _, part in chosen])
+        each = (time.perf_counter() - t0) / sum(len(part.rows) for _, part in chosen)
+        for (_, part), rest in zip(chosen, decoded):
+            answers[id(part)], seconds[id(part)] = rest, each * len(part.rows)
+    for run in runs:
+        run.settle([answers[id(part)] for part in run.diverged], sum(seconds[id(part)] for part in run.diverged))
 
 
 def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
@@ -159,12 +211,14 @@ def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, pending: list | None, open_modes: dict | None = None) -> list[dict]:
-    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer). With `pending` (a
-    list), each full row with a KL path adds its noise-floor request, its rows and the token ids before its path, to
-    be filled in later. `open_modes`: as in `evaluate_samples`."""
+          reference_s: float, pending: list | None, open_modes: dict | None = None) -> tuple[list, list[Verified], int]:
+    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer), as makers: call each,
+    in order, for its turn's rows once the returned verified turns' diverged rows are decoded and settled (with
+    other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With `pending` (a list), each full row with a
+    KL path adds its noise-floor request, its rows and the token ids before its path, to be filled in later.
+    `open_modes`: as in `evaluate_samples`."""
     sample, p = pl.sample, pl.sample.prompt
-    rows = []
+    makers, runs, count = [], [], 0
     every, every_ref = variants, ref
     for key, labelled in pl.turns_of.items():
         variants, ref = _needed(every, every_ref, {m for ms in labelled.values() for m in ms}, open_modes)
@@ -178,12 +232,14 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
         for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
             if number not in labelled:
                 continue
-            div, first, logp, path = [{} for _ in variants], [None] * len(variants), None, None
-            if pl.verified(number):  # KL along the full cache's answer
-                run = verified_decode(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
-                decoded, decode_s, tf_s, first = run.answers, reference_s + run.decode_s, run.teacher_forced_s, run.first
+            div, logp, path, run = [{} for _ in variants], None, None, None
+            if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
+                run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
+                runs.append(run)
+                decoded, decode_s, tf_s = run.answers, None, run.teacher_forced_s
                 if kl and decoded[ref]:
                     logp, path = run.logp, decoded[ref]
+                run.logp = None  # what follows needs `logp` only: no (B, T, vocabulary) block kept until the decode
             else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
                 t0 = time.perf_counter()
                 decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
@@ -196,44 +252,63 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 div = divergence(logp, path, ref)
             # its own copy of the reference's log-probabilities: a view would keep every row's alive
             request = (caches[ref], turn_tail, path, base.length, logp[ref].clone()) if logp is not None and pending is not None else None
-            for i, variant in enumerate(variants):
-                prediction = tokenizer.decode(decoded[i], skip_special_tokens=True)
-                row = {
-                    **sample.row(),
-                    "method": variant.method,
-                    "method_kind": variant.kind,
-                    "press": variant.params.get("press"),
-                    "wrapper": variant.params.get("wrapper"),
-                    "press_kwargs": json.dumps(variant.params["kwargs"], sort_keys=True) if "press" in variant.params else None,
-                    "layer_budgets": "layer_budgets" in variant.params,  # per-layer budgets from calibration
-                    **variant.storage,
-                    "budget": variant.budget,
-                    "turn": number,
-                    "gold": list(gold),
-                    "compressed_tokens": base.length,
-                    "prediction": prediction,
-                    "score": score(sample.metric, prediction, gold),
-                    **stats[i],
-                    **div[i],
-                    "prefill_s": pl.prefill_s[key],
-                    "compress_s": compress_s[i],
-                    "decode_s": decode_s,
-                    "decode_batch": len(variants),
-                    "teacher_forced_s": tf_s,
-                    "new_tokens": len(decoded[i]),
-                    # where the row's greedy choice first left the full cache's answer (None: never, so its
-                    # answer is the full cache's; on the full row itself, a near-tie between its parallel and
-                    # its step-by-step pass: the numerical noise floor)
-                    "diverged_at": first[i],
-                    # on the full row: the same cache teacher-forced again, token by token, in a batch of other prompts
-                    # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
-                    # changes that rounding alone produces; empty on every other row
-                    **dict.fromkeys(NOISE_COLUMNS),
-                    # on the full row: its path read by the model in another compute dtype (`dtype_floor`)
-                    **dict.fromkeys(DTYPE_NOISE_COLUMNS),
-                }
-                made = [{**row, "question_mode": mode} for mode in labelled[number]]
-                rows += made
-                if i == ref and request is not None:
-                    pending.append((request, made, base.ids + turn_tail))
+            # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
+            timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": tf_s, "decode_s": decode_s}
+            makers.append(partial(_turn_rows, tokenizer, sample, variants, ref, number, gold, labelled[number], base,
+                                  stats, compress_s, div, run or decoded, reference_s, timing, request, pending))
+            count += len(variants) * len(labelled[number])
+    return makers, runs, count
+
+
+def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, number: int, gold, modes: list[str], base,
+               stats: list[dict], compress_s: list[float], div: list[dict], answers, reference_s: float, timing: dict,
+               request, pending: list | None) -> list[dict]:
+    """One turn's rows, every variant × its question modes (`_rows`). `answers`: every row's answer, or the turn's
+    `Verified` (settled: its decode seconds then include the diverged rows' share)."""
+    if isinstance(answers, Verified):
+        first, timing = answers.first, {**timing, "decode_s": reference_s + answers.decode_s}
+        answers = answers.answers
+    else:
+        first = [None] * len(variants)
+    rows = []
+    for i, variant in enumerate(variants):
+        prediction = tokenizer.decode(answers[i], skip_special_tokens=True)
+        row = {
+            **sample.row(),
+            "method": variant.method,
+            "method_kind": variant.kind,
+            "press": variant.params.get("press"),
+            "wrapper": variant.params.get("wrapper"),
+            "press_kwargs": json.dumps(variant.params["kwargs"], sort_keys=True) if "press" in variant.params else None,
+            "layer_budgets": "layer_budgets" in variant.params,  # per-layer budgets from calibration
+            **variant.storage,
+            "budget": variant.budget,
+            "turn": number,
+            "gold": list(gold),
+            "compressed_tokens": base.length,
+            "prediction": prediction,
+            "score": score(sample.metric, prediction, gold),
+            **stats[i],
+            **div[i],
+            "prefill_s": timing["prefill_s"],
+            "compress_s": compress_s[i],
+            "decode_s": timing["decode_s"],
+            "decode_batch": len(variants),
+            "teacher_forced_s": timing["teacher_forced_s"],
+            "new_tokens": len(answers[i]),
+            # where the row's greedy choice first left the full cache's answer (None: never, so its
+            # answer is the full cache's; on the full row itself, a near-tie between its parallel and
+            # its step-by-step pass: the numerical noise floor)
+            "diverged_at": first[i],
+            # on the full row: the same cache teacher-forced again, token by token, in a batch of other prompts
+            # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
+            # changes that rounding alone produces; empty on every other row
+            **dict.fromkeys(NOISE_COLUMNS),
+            # on the full row: its path read by the model in another compute dtype (`dtype_floor`)
+            **dict.fromkeys(DTYPE_NOISE_COLUMNS),
+        }
+        made = [{**row, "question_mode": mode} for mode in modes]
+        rows += made
+        if i == ref and request is not None:
+            pending.append((request, made, base.ids + request[1]))
     return rows
