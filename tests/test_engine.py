@@ -597,7 +597,7 @@ VERIFY_METHODS = {
 def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dict = VERIFY_METHODS) -> dict:
     """Decode one sample's grid both ways and check verified_decode against decoding every row; return each
     variant's first divergence."""
-    from kvlab.engine import first_divergence, teacher_forced, verified_decode
+    from kvlab.engine import divergence, first_divergence, teacher_forced, verified_decode
 
     grid = variants(build(methods), budgets)
     (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
@@ -608,7 +608,7 @@ def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dic
     run = verified_decode(model, caches, ref, tail, base.length, 12)
     assert run.answers == every
     logp, choice = teacher_forced(model, caches, tail, every[ref], base.length)
-    torch.testing.assert_close(run.logp, logp)
+    assert torch.equal(run.logp_ref, logp[ref]) and run.divergence == divergence(logp, every[ref], ref)
     assert run.first == first_divergence(choice, every[ref])
     assert run.first[ref] is None  # the full row's parallel pass agrees with its own decoding (fp32)
     assert all(every[i] == every[ref] for i, d in enumerate(run.first) if d is None)
@@ -746,7 +746,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     tail = sample.prompt.question + sample.prompt.suffix
     run = verified_decode(sharp, caches, 0, tail, base.length, 8)
     ((alone, choice),) = stepped(sharp, [(caches[0], tail, run.answers[0], base.length)])
-    kl = (run.logp[0].exp() * (run.logp[0] - alone)).sum(-1).clamp_min(0)
+    kl = (run.logp_ref.exp() * (run.logp_ref - alone)).sum(-1).clamp_min(0)
     assert full["noise_kl"] == pytest.approx(float(kl.mean()), abs=1e-12)
     assert full["noise_kl_max"] == pytest.approx(float(kl.max()), abs=1e-12)
     assert 0 <= full["noise_kl"] <= full["noise_kl_max"] < 1e-6 and full["noise_diverged_at"] is None
@@ -847,3 +847,21 @@ def test_groups_of_several_prompts_and_kinds_decode_as_one_batch(tiny, sharp):
     assert decode_groups(sharp, groups) == alone
     assert len({tuple(a) for answers in alone for a in answers}) > 3 and max(map(len, alone[1])) > 5
     assert all(len(a) <= cap for (_, _, _, cap), answers in zip(groups, alone) for a in answers)
+
+
+def test_forced_divergence_is_divergence_of_the_teacher_forced_pass(tiny, sharp):
+    """forced_divergence gives bitwise the KL and NLL columns, reference log-probabilities and greedy choices of
+    teacher_forced then divergence, for rows fed each way (dense, streamed quantized, H2O step by step) and a
+    reference that is not the first row, without building the (B, T, vocabulary) block."""
+    from kvlab.engine import divergence, forced_divergence
+
+    grid = variants(build(VERIFY_METHODS), [0.5])
+    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 2}, tiny[1], 600)
+    base = prefill(sharp, sample.prompt.context)
+    caches = [compress(sharp, base, v) for v in grid][::-1]  # the full row last
+    tail, ref = sample.prompt.question + sample.prompt.suffix, len(caches) - 1
+    path = greedy_decode(sharp, [caches[ref]], tail, base.length, 10)[0]
+    logp, choice = teacher_forced(sharp, caches, tail, path, base.length)
+    rows, logp_ref, chosen = forced_divergence(sharp, caches, tail, path, base.length, ref)
+    assert rows == divergence(logp, path, ref) and torch.equal(logp_ref, logp[ref]) and torch.equal(chosen, choice)
+    assert rows[ref]["kl_vs_full"] == 0 and sum(r["kl_vs_full"] > 1e-3 for r in rows) >= 3

@@ -24,8 +24,8 @@ from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa
 from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.decode import (
-    Diverged, Verified, decode_groups, decode_references, divergence, dtype_floor, first_divergence, greedy_decode, noise_floor,
-    stepped, stepwise, teacher_forced, verified_decode, verify,
+    Diverged, Verified, decode_groups, decode_references, divergence, dtype_floor, first_divergence, forced_divergence, greedy_decode,
+    noise_floor, stepped, stepwise, teacher_forced, verified_decode, verify,
 )
 from kvlab.models.structure import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
 from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
@@ -37,5 +37,5 @@ __all__ = [
     "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries",
     "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",
     "stop_ids", "teacher_forced", "Verified", "decode_references", "dtype_floor", "evaluate_samples", "first_divergence", "noise_floor", "stepped", "stepwise",
-    "verified_decode", "verify", "Diverged", "decode_groups",
+    "verified_decode", "verify", "Diverged", "decode_groups", "forced_divergence",
 ]

@@ -145,41 +145,88 @@ def teacher_forced(
     must see each token as decoding would (earlier tokens quantized once they leave the residual window): they
     take the tail, then the path in one pass that reads it as if fed one token at a time (`stream`; tested equal
     to feeding it so). Caches that evict while decoding (H2O, see `own_layout`) and transformers' quantized
-    caches, or every stepwise cache with `stream` false, are fed the path one token at a time."""
+    caches, or every stepwise cache with `stream` false, are fed the path one token at a time. The engine itself
+    needs only the KL and NLL of each row, and the reference row's log-probabilities: `forced_divergence`, which
+    keeps no (B, len(path), V) block."""
+    out = choice = None
+    for group, logits in _forced_logits(model, caches, tail, path, start, stream):
+        if out is None:
+            out = torch.empty(len(caches), *logits.shape[1:], dtype=torch.float32, device=logits.device)
+            choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
+        for j, row in enumerate(group):
+            _log_softmax_into(out[row], logits[j])
+        choice[group] = greedy(logits)
+    return out, choice
+
+
+@torch.no_grad()
+@record_function("kvlab.teacher_forced")
+def forced_divergence(
+    model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, ref: int, stream: bool = True,
+) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
+    """`divergence(teacher_forced(...)[0], path, ref)`, bitwise the same, with the reference row's log-probabilities
+    (len(path), V) and every row's greedy choice (B, len(path)), without the (B, len(path), V) float32 block: each
+    row's logits are normalized in one reused (len(path), V) scratch block and reduced to its KL and NLL there (at 25
+    rows × 128 tokens of Qwen's 152K vocabulary the block is 1.9 GB, and writing a fresh one took 1.8 s per prose
+    sample, most of it the kernel handing out new pages; the same work in a reused block takes 0.1 s)."""
+    kl, nll = [None] * len(caches), [None] * len(caches)
+    logp_ref = p_ref = choice = None
+    for group, logits in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
+        with record_function("kvlab.divergence"):
+            if logp_ref is None:
+                logp_ref = torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
+                _log_softmax_into(logp_ref, logits[group.index(ref)])
+                p_ref = logp_ref.exp()
+                row, scratch = torch.empty_like(logp_ref), torch.empty_like(logp_ref)
+                target = torch.tensor(path, device=logits.device)[:, None]
+                choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
+            for j, i in enumerate(group):
+                _log_softmax_into(row, logits[j])
+                kl[i], nll[i] = _kl_terms(logp_ref, p_ref, row, scratch), -row.gather(-1, target)[:, 0]
+            choice[group] = greedy(logits)
+        del logits
+    return _divergence_rows(torch.stack(kl).clamp_min(0), torch.stack(nll), path), logp_ref, choice
+
+
+def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool,
+                   first: int | None = None):
+    """Per kind of feeding (see `teacher_forced`): the rows fed that way and their logits (rows, len(path), V) along
+    `path`. The kind holding row `first` comes first."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
-    out = choice = None
-    for kind in ("dense", "stream", "steps"):
+    kinds = ["dense", "stream", "steps"]
+    if first is not None:
+        kinds.sort(key=lambda kind: kind != how[first])
+    for kind in kinds:
         group = [i for i, h in enumerate(how) if h == kind]
         if not group:
             continue
         batch = Batch(model, [caches[i] for i in group])
         ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
-        first = len(tail)  # the tail's last logits predict path[0]
+        first_path = len(tail)  # the tail's last logits predict path[0]
         if kind == "dense":
             logits = batch.forward(ids, start, logits_to_keep=len(path))
         elif kind == "stream":  # the tail as a prefill chunk (as decoding feeds it), then the path in one pass
-            steps = [batch.forward(ids[:, :first], start)]
-            if ids.shape[1] > first:
-                steps.append(batch.forward(ids[:, first:], start + first, logits_to_keep=ids.shape[1] - first, stream=True))
+            steps = [batch.forward(ids[:, :first_path], start)]
+            if ids.shape[1] > first_path:
+                steps.append(batch.forward(ids[:, first_path:], start + first_path, logits_to_keep=ids.shape[1] - first_path,
+                                           stream=True))
             logits = torch.cat(steps, dim=1)
         else:
-            steps = [batch.forward(ids[:, :first], start)]
-            steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first, ids.shape[1])]
+            steps = [batch.forward(ids[:, :first_path], start)]
+            steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
             logits = torch.cat(steps, dim=1)
-        if out is None:
-            out = torch.empty(len(caches), *logits.shape[1:], dtype=torch.float32, device=logits.device)
-            choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
-        # One row at a time: a (rows, T, vocabulary) float32 temporary per step would hold several GB at 50 rows
-        # of Qwen's 152K vocabulary (prose_kl peaked at 15 GB before); the result is the same row by row. Each row is
-        # cast into `out` and normalized there in place: no float temporary and no copy of the result (these cost
-        # 2.3 s per prose_kl sample of 25 rows × 128 tokens, more than twice this); the values are bitwise the same.
-        for j, row in enumerate(group):
-            out[row].copy_(logits[j])
-            torch.log_softmax(out[row], dim=-1, out=out[row])
-        choice[group] = greedy(logits)
-    return out, choice
+        yield group, logits
+        logits = steps = None  # freed before the next kind's pass, once the caller lets go of its own
+
+
+def _log_softmax_into(out: torch.Tensor, logits: torch.Tensor) -> None:
+    """`out` = log_softmax(logits) in float32: the row cast into `out` and normalized there in place (no float
+    temporary, no copy of the result; bitwise what log_softmax of the float copy gives). One row at a time: a (rows,
+    T, vocabulary) float32 temporary would hold several GB at 50 rows of Qwen's 152K vocabulary."""
+    out.copy_(logits)
+    torch.log_softmax(out, dim=-1, out=out)
 
 
 def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
@@ -203,12 +250,14 @@ class Diverged:
 
 @dataclass
 class Verified:
-    """verified_decode's result: answers, log-probabilities along the reference's answer, first divergences,
-    and the seconds spent decoding step by step and in the teacher-forced pass. From `verify`, `diverged` lists the
-    rows still to decode (their answers are the reference's until `settle`)."""
+    """verified_decode's result: answers, each row's KL and NLL along the reference's answer (`divergence`'s columns),
+    the reference row's log-probabilities there (len(path), V), first divergences, and the seconds spent decoding
+    step by step and in the teacher-forced pass. From `verify`, `diverged` lists the rows still to decode (their
+    answers are the reference's until `settle`)."""
 
     answers: list[list[int]]
-    logp: torch.Tensor
+    divergence: list[dict]
+    logp_ref: torch.Tensor
     first: list[int | None]
     decode_s: float
     teacher_forced_s: float
@@ -236,8 +285,9 @@ def verify(
     one teacher-forced pass along its answer (which the KL needs anyway) gives every row's choice at every
     position; only rows that diverge are decoded: dense ones from the prefix they all share (fed in one pass),
     stepwise ones (quantized, H2O) from the tail, each kind as one batch (one quantized or H2O row would turn every
-    layer of a batch into per-row updates, `Rows`, and such rows must be fed token by token). The result holds the
-    teacher-forced log-probabilities (B, len(path), V) along the reference's answer, and each row's first
+    layer of a batch into per-row updates, `Rows`, and such rows must be fed token by token). The result holds each
+    row's KL and NLL along the reference's answer and the reference's log-probabilities there (`forced_divergence`:
+    the teacher-forced pass), and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
     the reference's answer when it was already decoded (`decode_references`, with other prompts' references)."""
@@ -245,7 +295,7 @@ def verify(
     if path is None:
         (path,) = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
     t1 = time.perf_counter()
-    logp, choice = teacher_forced(model, caches, tail, path, start)
+    div, logp_ref, choice = forced_divergence(model, caches, tail, path, start, ref)
     first = first_divergence(choice, path)
     t2 = time.perf_counter()
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
@@ -257,7 +307,7 @@ def verify(
             prefix = list(path[:shared])
             parts.append(Diverged(group, is_stepwise, prefix,
                                   ([caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)))
-    return Verified([list(path) for _ in caches], logp, first, t1 - t0, t2 - t1, parts)
+    return Verified([list(path) for _ in caches], div, logp_ref, first, t1 - t0, t2 - t1, parts)
 
 
 @torch.no_grad()
@@ -355,17 +405,24 @@ def dtype_floor(other, requests: list[tuple[list[int], list[int], torch.Tensor]]
 def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
     """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""
     p_ref = logp[ref].exp()
-    # row by row in one (T, vocabulary) scratch block, so no (B, T, vocabulary) temporary and no fresh block per row
-    # (p_ref · (logp_ref − row), bitwise as written out; half the time of a new product per row)
-    scratch, kl = torch.empty_like(p_ref), []
-    for row in logp:
-        torch.sub(logp[ref], row, out=scratch)
-        kl.append(scratch.mul_(p_ref).sum(-1))
-    kl = torch.stack(kl).clamp_min(0)  # (B, T)
+    scratch = torch.empty_like(p_ref)  # one block for every row: no (B, T, vocabulary) temporary, no fresh block per row
+    kl = torch.stack([_kl_terms(logp[ref], p_ref, row, scratch) for row in logp]).clamp_min(0)  # (B, T)
     target = torch.tensor(path, device=logp.device)
     nll = -logp.gather(-1, target.expand(logp.shape[0], -1)[..., None])[..., 0]  # (B, T)
+    return _divergence_rows(kl, nll, path)
+
+
+def _kl_terms(logp_ref: torch.Tensor, p_ref: torch.Tensor, logp: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Per-token KL(ref ‖ row), p_ref · (logp_ref − logp) summed over the vocabulary, computed in `scratch` (bitwise
+    as written out; half the time of a new product per row)."""
+    torch.sub(logp_ref, logp, out=scratch)
+    return scratch.mul_(p_ref).sum(-1)
+
+
+def _divergence_rows(kl: torch.Tensor, nll: torch.Tensor, path: list[int]) -> list[dict]:
+    """`divergence`'s columns from per-token KL and NLL (B, T)."""
     return [
         {"kl_vs_full": float(kl[b].mean()), "kl_max": float(kl[b].max()), "nll": float(nll[b].mean()),
          "ppl": math.exp(float(nll[b].mean())), "tf_tokens": len(path)}
-        for b in range(logp.shape[0])
+        for b in range(kl.shape[0])
     ]

@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.decode import (
-    Verified, decode_groups, decode_references, divergence, dtype_floor, greedy_decode, noise_floor, teacher_forced, verify,
+    Verified, decode_groups, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, verify,
 )
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.kernels.kvcache import layer_nbytes
@@ -232,26 +232,23 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
         for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
             if number not in labelled:
                 continue
-            div, logp, path, run = [{} for _ in variants], None, None, None
+            div, logp_ref, path, run = [{} for _ in variants], None, None, None
             if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
                 run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
                 runs.append(run)
                 decoded, decode_s, tf_s = run.answers, None, run.teacher_forced_s
                 if kl and decoded[ref]:
-                    logp, path = run.logp, decoded[ref]
-                run.logp = None  # what follows needs `logp` only: no (B, T, vocabulary) block kept until the decode
+                    div, logp_ref, path = run.divergence, run.logp_ref, decoded[ref]
             else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
                 t0 = time.perf_counter()
                 decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
                 decode_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 if kl and p.reference:
-                    logp, path = teacher_forced(model, caches, turn_tail, p.reference, base.length)[0], p.reference
+                    div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
+                    path = p.reference
                 tf_s = time.perf_counter() - t0
-            if logp is not None:
-                div = divergence(logp, path, ref)
-            # its own copy of the reference's log-probabilities: a view would keep every row's alive
-            request = (caches[ref], turn_tail, path, base.length, logp[ref].clone()) if logp is not None and pending is not None else None
+            request = (caches[ref], turn_tail, path, base.length, logp_ref) if logp_ref is not None and pending is not None else None
             # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
             timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": tf_s, "decode_s": decode_s}
             makers.append(partial(_turn_rows, tokenizer, sample, variants, ref, number, gold, labelled[number], base,
