@@ -88,9 +88,12 @@ def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):
     assert row["peak_rss_mb"] > 100  # this process holds torch and the model at least
 
 
-def test_counted_flops_are_the_matmuls_and_only_them():
-    """FlopCounterMode's count over a job: 2·M·K·N per product (mm, addmm, bmm), nothing for elementwise operators."""
-    from kvlab.profile_eval import counted_gflop
+def test_counted_matmuls_are_their_flops_and_bytes_and_only_them():
+    """MatmulCounter over a job: 2·M·K·N flops per product (mm, addmm, bmm), as FlopCounterMode counts them, and the
+    bytes of operands and result (an expanded operand once); nothing for elementwise operators."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from kvlab.profile_eval import counted_matmuls, roofline_rows
 
     a, b, bias = torch.randn(6, 5), torch.randn(5, 7), torch.randn(7)
 
@@ -99,4 +102,16 @@ def test_counted_flops_are_the_matmuls_and_only_them():
         torch.bmm(a[None].expand(3, -1, -1), b[None].expand(3, -1, -1))  # bmm, 3 products
         (a @ b).exp().sum()  # mm, then elementwise work that has no flops here
 
-    assert counted_gflop(job) == pytest.approx(2 * 6 * 5 * 7 * 5 / 1e9)
+    calls = counted_matmuls(job)
+    flops = 2 * 6 * 5 * 7
+    assert calls == {(flops, 4 * (7 + 30 + 35 + 42)): 1, (3 * flops, 4 * (30 + 35 + 3 * 42)): 1, (flops, 4 * (30 + 35 + 42)): 1}
+    counter = FlopCounterMode(display=False)
+    with counter:
+        job()
+    assert sum(f * n for (f, _), n in calls.items()) == counter.get_total_flops() == 5 * flops
+    roof = {r["name"]: r for r in roofline_rows(calls, (1.0, 1.0), peak=1e-7, bandwidth=1e-7, wall=42.88)}
+    # at 100 flop/s and 100 B/s: the addmm and the mm wait for their bytes (4.56 and 4.28 s against 4.2 s of flops),
+    # the bmm for its flops (12.6 s against 7.64 s of bytes)
+    assert roof["roofline_floor_s"]["seconds"] == pytest.approx(4.56 + 12.6 + 4.28)
+    assert roof["matmul_floor_s"]["seconds"] == pytest.approx(21.0) and roof["matmul_gbytes"]["value"] == pytest.approx(1648e-9)
+    assert roof["wall_over_roofline"]["value"] == pytest.approx(2.0) and roof["wall_over_floor"]["value"] == pytest.approx(42.88 / 21)

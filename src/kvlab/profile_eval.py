@@ -18,13 +18,17 @@ share of the profiled wall time (`profiled_wall_s`).
 - operators: matmul (linear / mm / addmm / bmm self time), sdpa, host_sync (`item` / `_local_scalar_dense`:
   the host waiting for a value), and all the other operators' self time;
 - python_and_rest: wall time not spent inside any operator (interpreter, tokenizer, scoring);
-- roofline: the job's matmul floating-point operations (`matmul_gflop`: mm, addmm and bmm, counted by torch's
-  FlopCounterMode over the whole job, as the profiler counts them), this CPU's measured matmul rate in the job's
+- roofline: the job's matmul floating-point operations (`matmul_gflop`: mm, addmm and bmm, counted over the whole
+  job as the profiler and torch's FlopCounterMode count them; `MatmulCounter`), this CPU's measured matmul rate in the job's
   dtype and threads (`peak_matmul_gflops`, the best of the engine's shapes: a prefill's and a teacher-forced batch's
   MLP and LM head, a decode step's MLP), the rate the profiled samples' matmuls reached (`matmul_gflops`: their
   flops over their self time) and `matmul_floor_s`, the seconds the job's flops need at the peak: the least any
   engine could spend on this job's matmuls without computing fewer of them; `wall_over_floor`, the job's
-  unprofiled wall time (`wall_s`) over that floor (the roofline issue's ratio). Rows name the dtype (`--dtype` forces
+  unprofiled wall time (`wall_s`) over that floor (the roofline issue's ratio). The memory roof beside it: the bytes
+  the matmuls move (`matmul_gbytes`: operands and results, nothing kept in cache between calls), this CPU's
+  streaming bandwidth (`peak_bandwidth_gbs`: a 512 MB sum, a one-row product with LM-head weights) and
+  `roofline_floor_s`, every call at the slower of its flops at the peak and its bytes at that bandwidth (a one-token
+  step at a few rows waits for its weights, whatever the engine), with `wall_over_roofline`. Rows name the dtype (`--dtype` forces
   one, e.g. float32 on a bf16-capable CPU), the threads, the device and the CPU kind (bf16-capable or fp32 only).
 
 The profiler adds a few microseconds per operator and holds every call in memory, so shares matter more than
@@ -33,13 +37,15 @@ absolute seconds, and `--profile-samples` stays small (default 1); `wall_s` is t
 
 from __future__ import annotations
 
+import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
@@ -84,26 +90,81 @@ def matmul_gflop(events) -> tuple[float, float]:
     return float(sum(e.flops for e in sel)) / 1e9, sum(e.self_cpu_time_total for e in sel) / 1e6
 
 
-def counted_gflop(job) -> float:
-    """The matmul GFLOP of running `job()`, counted by torch's FlopCounterMode (mm, addmm, bmm: the operators the
-    profiler counts): the same numbers as the profiler's, without holding an event per operator call, so a whole
+class MatmulCounter(TorchDispatchMode):
+    """Every matmul a job runs (mm, addmm, bmm: the operators torch's profiler and FlopCounterMode count), as a
+    Counter of (flops, bytes) per call: 2·M·K·N flops (per product of a bmm), as those count them, and the bytes of
+    its operands and result (a broadcast operand's elements once), what the call moves through memory at least when
+    nothing stays in cache from one call to the next (a decode step's weights). Holds no event per call, so a whole
     job's first round fits in memory (the profiler's events of 10 prose_kl samples went past 23 GB)."""
-    counter = FlopCounterMode(display=False)
+
+    OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket in self.OPS:
+            a, b = args[1:3] if func._overloadpacket is torch.ops.aten.addmm else args[:2]
+            tensors = [t for t in args if isinstance(t, torch.Tensor)] + [out]
+            self.calls[(2 * a.numel() * b.shape[-1], sum(stored_bytes(t) for t in tensors))] += 1
+        return out
+
+
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor's distinct elements (a broadcast axis, stride 0, counted once)."""
+    return math.prod(n for n, stride in zip(t.shape, t.stride()) if stride) * t.element_size()
+
+
+def counted_matmuls(job) -> Counter:
+    """(flops, bytes) -> calls of the matmuls of running `job()` (`MatmulCounter`)."""
+    counter = MatmulCounter()
     with counter:
         job()
-    counts = counter.get_flop_counts().get("Global", {})
-    return sum(counts.get(op, 0) for op in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)) / 1e9
+    return counter.calls
 
 
-def roofline_rows(gflop: float, rate: tuple[float, float], peak: float, wall: float) -> list[dict]:
-    """The job's matmul GFLOP, the rate its profiled samples' matmuls ran at (`rate`: their GFLOP and seconds), the
-    peak, the seconds the job's flops need at it and the job's wall time (unprofiled) over those seconds."""
+BANDWIDTH_BYTES = 512 << 20  # the streamed sum's tensor
+
+
+def peak_bandwidth_gbs(dtype: torch.dtype, repeats: int = 5) -> float:
+    """The best rate (GB/s) at which this CPU streams memory through torch operators, with the threads torch has: a
+    sum over 512 MB, and a one-row product with an LM head's weights (896 × 151,936, as a decode step reads them): the
+    memory roof of the roofline."""
+    big = torch.ones(BANDWIDTH_BYTES * 8 // torch.finfo(dtype).bits, dtype=dtype)
+    weight, row = torch.randn(151936, 896, dtype=dtype), torch.randn(1, 896, dtype=dtype)
+    best = 0.0
+    for job, nbytes in ((big.sum, stored_bytes(big)), (lambda: torch.nn.functional.linear(row, weight), stored_bytes(weight))):
+        job()  # warm-up
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            job()
+        best = max(best, nbytes * repeats / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def roofline_rows(calls: Counter, rate: tuple[float, float], peak: float, bandwidth: float, wall: float) -> list[dict]:
+    """The job's matmul GFLOP (`calls`: (flops, bytes) -> calls, `counted_matmuls`), the rate its profiled samples'
+    matmuls ran at (`rate`: their GFLOP and seconds), the peak, the seconds the job's flops need at it
+    (`matmul_floor_s`) and the job's wall time (unprofiled) over those seconds (the roofline issue's ratio); then the
+    memory roof: the GB the matmuls move, the streaming bandwidth, and `roofline_floor_s`, each call at the slower of
+    its flops at the peak and its bytes at that bandwidth (a one-token step at a few rows waits for its weights), with
+    the wall time over it."""
+    gflop = sum(f * n for (f, _), n in calls.items()) / 1e9
+    gbytes = sum(b * n for (_, b), n in calls.items()) / 1e9
     floor = gflop / peak
-    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": float("nan"), "calls": 0, "value": gflop},
+    roof = sum(max(f / peak, b / bandwidth) * n for (f, b), n in calls.items()) / 1e9
+    nan = float("nan")
+    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": nan, "calls": 0, "value": gflop},
             {"kind": "roofline", "name": "matmul_gflops", "seconds": rate[1], "calls": 0, "value": rate[0] / rate[1]},
-            {"kind": "roofline", "name": "peak_matmul_gflops", "seconds": float("nan"), "calls": 0, "value": peak},
-            {"kind": "roofline", "name": "matmul_floor_s", "seconds": floor, "calls": 0, "value": float("nan")},
-            {"kind": "roofline", "name": "wall_over_floor", "seconds": float("nan"), "calls": 0, "value": wall / floor}]
+            {"kind": "roofline", "name": "peak_matmul_gflops", "seconds": nan, "calls": 0, "value": peak},
+            {"kind": "roofline", "name": "matmul_floor_s", "seconds": floor, "calls": 0, "value": nan},
+            {"kind": "roofline", "name": "wall_over_floor", "seconds": nan, "calls": 0, "value": wall / floor},
+            {"kind": "roofline", "name": "matmul_gbytes", "seconds": nan, "calls": 0, "value": gbytes},
+            {"kind": "roofline", "name": "peak_bandwidth_gbs", "seconds": nan, "calls": 0, "value": bandwidth},
+            {"kind": "roofline", "name": "roofline_floor_s", "seconds": roof, "calls": 0, "value": nan},
+            {"kind": "roofline", "name": "wall_over_roofline", "seconds": nan, "calls": 0, "value": wall / roof}]
 
 
 def profile_rows(events, wall: float) -> list[dict]:
@@ -162,13 +223,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     t0 = time.perf_counter()
     rows = job()
     plain = time.perf_counter() - t0
-    gflop = counted_gflop(job)
+    calls = counted_matmuls(job)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
         t0 = time.perf_counter()
         job(profiled)
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(gflop, matmul_gflop(events), peak_matmul_gflops(model.dtype), plain))
+    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(calls, matmul_gflop(events), peak_matmul_gflops(model.dtype),
+                                                                    peak_bandwidth_gbs(model.dtype), plain))
     out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
                                          "share": 1.0}])], ignore_index=True)
