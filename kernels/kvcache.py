@@ -72,9 +72,17 @@ class LayerSpec:
 
     def coded(self, part: str, full_precision: int) -> int:
         """Of `full_precision` tokens of `part` (key, value) beyond the sinks, how many are quantized now."""
+        return layouts.coded_tokens(*self._rule(part, full_precision))
+
+    def _rule(self, part: str, full_precision: int) -> tuple:
         codec = self.key if part == "key" else self.value
         group = self.group if self.policy == "together" else _unit(codec)
-        return layouts.coded_tokens(self.policy, _per_channel(codec), full_precision, self.residual, group)
+        return self.policy, _per_channel(codec), full_precision, self.residual, group
+
+    def schedule(self) -> tuple:
+        """Everything that decides which tokens are in codes when (sinks, and `coded` of keys and values): specs with
+        the same schedule quantize the same tokens at the same steps (every layer of a row, mostly)."""
+        return (self.sink_tokens, *self._rule("key", 0), *self._rule("value", 0))
 
 
 def _per_channel(codec) -> bool:

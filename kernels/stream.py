@@ -54,10 +54,26 @@ def flush_steps(layer: QuantizedKVLayer, n: int) -> tuple[list[int], list[int]]:
 WAYS = ((False, False), (True, False), (False, True), (True, True))  # (key dequantized, value dequantized)
 
 
+_LAYOUTS: dict = {}  # `_layout` by schedule and counts: a row's layers mostly share both (one layout, not 24), and a
+                   # batch's mask and update ask for the same one
+
+
 def _layout(layer: QuantizedKVLayer, n: int) -> tuple[int, list[tuple[bool, bool, torch.Tensor, torch.Tensor]]]:
     """Where the keys `stream_update` returns come from: the leading entries read alike by every query, then per
     way of reading a region token (`WAYS`) that some query uses: (key dequantized, value dequantized, the region
-    tokens read that way, (n, tokens) which query reads each so). On the host: a few small tensors."""
+    tokens read that way, (n, tokens) which query reads each so). On the host: a few small tensors, never written
+    (they are shared by every layer of the same spec and counts)."""
+    sinks = 0 if layer.sink_keys is None else layer.sink_keys.shape[-2]
+    key = (layer.spec.schedule(), n, layer.coded, layer.keys.shape[-2], layer.values.shape[-2], sinks)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 4096:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = _plan_layout(layer, n)
+    return _LAYOUTS[key]
+
+
+def _plan_layout(layer: QuantizedKVLayer, n: int) -> tuple[int, list[tuple[bool, bool, torch.Tensor, torch.Tensor]]]:
+    """`_layout`, computed."""
     coded_keys, coded_values = layer.coded
     both = min(coded_keys, coded_values)
     held = coded_keys + layer.keys.shape[-2] - both  # region tokens held now (as many for values)

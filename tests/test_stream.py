@@ -129,3 +129,23 @@ def test_codes_decoded_once_equal_decoding_them_all(name):
         tables = (layer.cos[:, lo : lo + n], layer.sin[:, lo : lo + n]) if spec.rope else (None, None)
         every = codec.decode(layer.stored[part], shape, *tables).to(layer.dtype)  # every code at once, as stored
         assert n > 20 and torch.equal(got, every), part
+
+
+@pytest.mark.parametrize("prefilled,n", [(21, 30), (40, 17), (8, 9)])
+def test_layers_share_a_layout_only_where_they_quantize_alike(prefilled, n):
+    """stream._layout keeps one layout per schedule and counts (a row's 24 layers compute it once): asked for every
+    spec's layer after every other's, each gets the layout computed for itself."""
+    layers = {}
+    for name, make in STREAM_SPECS.items():
+        spec = make()
+        keys, values = random_kv(prefilled, seed=prefilled)
+        cos, sin = rope_tables(prefilled)
+        layers[name] = kvcache.layer_from_dense(keys, values, spec, *((cos, sin) if spec.rope else ()))
+    stream._LAYOUTS.clear()
+    shared = [stream._layout(layer, n) for layer in layers.values()]
+    for (name, layer), got in zip(layers.items(), shared):
+        fixed, ways = stream._plan_layout(layer, n)
+        assert got[0] == fixed and len(got[1]) == len(ways), name
+        for a, b in zip(got[1], ways):
+            assert a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), name
+    assert len(stream._LAYOUTS) < len(layers)  # some specs quantize alike: they shared one
