@@ -102,9 +102,10 @@ def heartbeat(line):
 
 
 def working(first: int, last: int, total: int, done: int, rows: int, elapsed: float) -> str:
-    """The heartbeat's line: the samples in progress, rows so far (those of the batch's finished samples too), rows
-    per second and, once a sample has finished, time left at most (the rest of the samples at the pace so far: a
-    batch decodes its full-cache answers first, so its first samples look slower than the rest)."""
+    """The heartbeat's line: the samples in progress, rows so far (those of the batch's samples whose teacher-forced
+    passes are done too: the engine decodes their diverged rows together at the batch's end), rows per second and,
+    once a sample is done, time left at most (the rest of the samples at the pace so far: a batch decodes its
+    full-cache answers first and its diverged rows last, so its first samples look slower than the rest)."""
     left = f"~{elapsed / done * (total - done):.0f} s left at most" if done else "time left known after the first sample"
     return (f"samples {first}-{last}/{total} in progress: {rows} rows, {rows / max(elapsed, 1e-9):.2f} rows/s, "
             f"{elapsed:.0f} s elapsed, {left}")
