@@ -115,8 +115,11 @@ def _joined(model, groups: list[tuple[list[DynamicCache], list[int], int]]) -> t
     for caches, tail, start in groups:
         one = Batch(model, caches)
         first.append(one.forward(torch.tensor([tail] * one.size, device=model.device), start)[:, -1])
-        fed += one.split()
         shift.append(one.shift + start + len(tail))
+        if len(groups) == 1:  # nothing to join: the batch goes on as it is (sliding-window layers cannot be split)
+            one.shift = shift[0]
+            return one, first[0]
+        fed += one.split()
     batch = Batch(model, fed)
     batch.shift = torch.cat(shift)
     return batch, torch.cat(first)
