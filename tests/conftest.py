@@ -112,18 +112,23 @@ def qwen(qwen_dir):
     return load_model(qwen_dir, "float32", "cpu")
 
 
-@pytest.fixture(scope="session")
-def sharp(tiny):
+def sharpened(model_dir: Path, dtype=torch.float32):
     """The tiny model with its matrices scaled up 15x: the random model at its own scale answers every prompt
-    with one token whatever the cache holds; this one's answers depend on what each cache kept."""
-    import copy
+    with one token whatever the cache holds; this one's answers depend on what each cache kept. In `dtype`, and
+    packed as a job's model is (kvlab.evaluate.ready)."""
+    from kvlab.evaluate import load_model, ready
 
-    model = copy.deepcopy(tiny[0])
+    model = load_model(model_dir, "float32", "cpu", verify=False, pack=False)[0]
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(15)
-    return model
+    return ready(model.to(dtype), "cpu")
+
+
+@pytest.fixture(scope="session")
+def sharp(tiny_dir):
+    return sharpened(tiny_dir)
 
 
 def snakemake(workdir: Path, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,12 +1,13 @@
 """The engine compresses a copy of a shared prefill; it must equal kvpress compressing inside its hooks."""
 
-import copy
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from transformers import DynamicCache
+
+from conftest import sharpened
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
 from kvlab.methods import Variant, build, variants
@@ -479,14 +480,16 @@ def test_only_steps_that_wait_for_nothing_on_the_host_can_be_captured(tiny, samp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("name", sorted(GRAPH_VARIANTS))
-def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny, sample, name):
+def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny_dir, sample, name):
     """benchmark.graph_step captures the fourth decode step of a batch (quantized rows through the kernel) and
     times its replays; what the replays compute is the token eager decoding gives at that step."""
 
     from kvlab.benchmark import graph_step
     from kvlab.engine import greedy_decode
 
-    model = copy.deepcopy(tiny[0]).to("cuda")
+    from kvlab.evaluate import load_model
+
+    model = load_model(tiny_dir, "float32", "cuda", verify=False)[0]
     p = sample.prompt
     base = prefill(model, p.context)
     kind, params = GRAPH_VARIANTS[name]
@@ -755,13 +758,12 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     assert itself["noise_kl"] == 0 and itself["noise_kl_max"] == 0 and itself["noise_diverged_at"] is None
 
 
-def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, sharp):
+def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp):
     """The compute dtype's noise floor: the full rows of the first `other_samples` samples read again in one plain
     forward pass by the model in another dtype. Given the run's own fp32 model, that pass is the engine's up to the
     rounding of another chunking (KL < 1e-6, the same answers), on the first turn of both modes and on the second
     turn (so the tokens fed before each path are the right ones: a missing turn would change the logits); given a
     bf16 copy, the KL is far above that and the rows name the dtype. Other rows, and later samples, stay empty."""
-    import copy
 
     from kvlab.engine import evaluate_samples
 
@@ -777,7 +779,7 @@ def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, sharp):
     assert (measured["dtype_noise_kl_max"] < 1e-6).all() and measured["dtype_noise_diverged_at"].isna().all()
     assert set(measured["noise_dtype"]) == {"float32"}
     assert same.drop(measured.index)[columns].isna().all().all()
-    half = copy.deepcopy(sharp).to(torch.bfloat16)
+    half = sharpened(tiny_dir, torch.bfloat16)
     other = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=half, other_samples=2))
     full = other[other["method"] == "full"]
     assert full["dtype_noise_kl"].notna().all() and set(full["noise_dtype"]) == {"bfloat16"}

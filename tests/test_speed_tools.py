@@ -58,7 +58,8 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     assert roof.loc["matmul_gflop", "value"] > 0 and roof.loc["peak_matmul_gflops", "value"] > 0
     # one sample, profiled whole: the job's flops counted by FlopCounterMode are the profiler's own count
     assert set(out["samples"]) == set(out["profiled_samples"]) == {1}
-    assert roof.loc["matmul_gflops", "value"] == pytest.approx(roof.loc["matmul_gflop", "value"] / roof.loc["matmul_gflops", "seconds"])
+    rate = roof.loc["matmul_gflops"]  # the profiled sample's flops over their seconds, the packed linears' from shapes
+    assert rate["value"] * rate["seconds"] == pytest.approx(roof.loc["matmul_gflop", "value"])
     assert roof.loc["matmul_floor_s", "seconds"] == pytest.approx(
         roof.loc["matmul_gflop", "value"] / roof.loc["peak_matmul_gflops", "value"])
     assert roof.loc["wall_over_floor", "value"] == pytest.approx(
@@ -115,3 +116,14 @@ def test_counted_matmuls_are_their_flops_and_bytes_and_only_them():
     assert roof["roofline_floor_s"]["seconds"] == pytest.approx(4.56 + 12.6 + 4.28)
     assert roof["matmul_floor_s"]["seconds"] == pytest.approx(21.0) and roof["matmul_gbytes"]["value"] == pytest.approx(1648e-9)
     assert roof["wall_over_roofline"]["value"] == pytest.approx(2.0) and roof["wall_over_floor"]["value"] == pytest.approx(42.88 / 21)
+
+
+def test_counted_matmuls_count_packed_linear_layers():
+    """A packed layer's product (kvlab.kernels.linear), which FlopCounterMode does not see: 2·M·K·N flops and the
+    bytes of input, packed weight, bias and output."""
+    from kvlab.kernels.linear import PackedLinear
+    from kvlab.profile_eval import counted_matmuls
+
+    x, w, bias = torch.randn(2, 3, 5), torch.randn(7, 5), torch.randn(7)
+    packed = PackedLinear(w, bias)
+    assert counted_matmuls(lambda: packed(x)) == {(2 * 6 * 5 * 7, 4 * (30 + 35 + 7 + 42)): 1}

@@ -27,9 +27,10 @@ from kvlab.tasks import generate, max_new_tokens, samples_at
 
 log = logging.getLogger(__name__)
 
-def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = True):
-    """The acquired model and tokenizer, in eval mode on `device` (the weights first checked against card.json unless
-    `verify` is false: a second load in the same job)."""
+def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = True, pack: bool = True):
+    """The acquired model and tokenizer, `ready` on `device` (the weights first checked against card.json unless
+    `verify` is false: a second load in the same job); `pack=False` leaves its linear layers plain (a test that
+    changes the weights first, then calls `ready`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -43,8 +44,20 @@ def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = Tr
         verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+    return (ready(model, device) if pack else model.to(device).eval()), tokenizer
+
+
+def ready(model, device: str):
+    """`model` in eval mode on `device`; on a CPU its linear layers packed for oneDNN (kvlab.kernels.linear: a
+    decode step's few rows stream packed weights faster), every other weight copied off the weights file's memory
+    map, which then closes (the pages the packing read would otherwise stay resident beside their packed copies)."""
+    from kvlab.kernels.linear import pack_linears
+
     model = model.to(device).eval()
-    return model, tokenizer
+    if device == "cpu" and pack_linears(model):
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
 
 
 def samples_at_once(context_tokens: int) -> int:

@@ -52,13 +52,14 @@ from kvlab.engine import evaluate_samples
 from kvlab.evaluate import load_model, noise_samples, samples_at_once
 from kvlab.hardware import bf16_matmul_native, device_name
 from kvlab.io import write_parquet
+from kvlab.kernels.linear import PackedLinear, packable
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
 
 PHASES = ["prefill", "compress", "cache_stats", "decode_reference", "decode_diverged", "teacher_forced",
           "noise_floor", "divergence", "forward", "masks", "attention", "rows_update"]
 OPERATORS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise"),
     "sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
              "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention"),
     "host_sync": ("aten::item", "aten::_local_scalar_dense"),
@@ -70,32 +71,54 @@ OPERATORS = {
 SHAPES = ((1024, 896, 4864), (1024, 4864, 896), (4096, 896, 18992), (32, 896, 4864))
 
 
+def products(a: torch.Tensor, b: torch.Tensor) -> list:
+    """The ways a job may multiply `a` (M, K) by `b` (K, N): a plain matmul and, where this CPU's oneDNN multiplies
+    the dtype natively, the linear layer packed once for it (`kvlab.kernels.linear`, which the engine's models use)."""
+    jobs = [lambda: a @ b]
+    if packable(b):
+        packed = PackedLinear(b.T.contiguous())
+        jobs.append(lambda: packed(a))
+    return jobs
+
+
 def peak_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """The best rate (GFLOP/s) of plain torch matmuls at the engine's shapes (SHAPES) in `dtype`, with the threads
-    torch has: what this CPU's matmul kernels reach, the roof a job's matmuls are measured against."""
+    """The best rate (GFLOP/s) of torch's matmuls at the engine's shapes (SHAPES) in `dtype`, plain and packed
+    (`products`), with the threads torch has: what this CPU's matmul kernels reach, the roof a job's matmuls are
+    measured against."""
     best = 0.0
     for m, k, n in SHAPES:
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        a @ b  # warm-up: the first call picks a kernel
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9)
+        for job in products(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)):
+            job()  # warm-up: the first call picks a kernel
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                job()
+            best = max(best, 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9)
     return best
 
 
+def event_flops(e) -> float:
+    """An event's flops: the profiler's own count (mm, addmm, bmm), or 2·M·K·N from the recorded input shapes of a
+    packed linear's product (x (M, K), weight (N, K)), which the profiler does not count."""
+    if e.key == "mkldnn::_linear_pointwise":
+        (m, k), (n, _) = e.input_shapes[:2]
+        return 2.0 * m * k * n * e.count
+    return float(e.flops)
+
+
 def matmul_gflop(events) -> tuple[float, float]:
-    """The matmuls' flops (GFLOP, as torch's profiler counts them) and self seconds among the profiler's events."""
+    """The matmuls' flops (GFLOP, `event_flops`) and self seconds among the profiler's events (averaged by input
+    shape, so that a packed linear's shapes are known)."""
     sel = [e for e in events if e.key in OPERATORS["matmul"]]
-    return float(sum(e.flops for e in sel)) / 1e9, sum(e.self_cpu_time_total for e in sel) / 1e6
+    return sum(event_flops(e) for e in sel) / 1e9, sum(e.self_cpu_time_total for e in sel) / 1e6
 
 
 class MatmulCounter(TorchDispatchMode):
-    """Every matmul a job runs (mm, addmm, bmm: the operators torch's profiler and FlopCounterMode count), as a
-    Counter of (flops, bytes) per call: 2·M·K·N flops (per product of a bmm), as those count them, and the bytes of
-    its operands and result (a broadcast operand's elements once), what the call moves through memory at least when
-    nothing stays in cache from one call to the next (a decode step's weights). Holds no event per call, so a whole
-    job's first round fits in memory (the profiler's events of 10 prose_kl samples went past 23 GB)."""
+    """Every matmul a job runs (mm, addmm, bmm: the operators torch's profiler and FlopCounterMode count; and the
+    packed linear layers' product, `kvlab.kernels.linear`), as a Counter of (flops, bytes) per call: 2·M·K·N flops
+    (per product of a bmm), as those count them, and the bytes of its operands and result (a broadcast operand's
+    elements once), what the call moves through memory at least when nothing stays in cache from one call to the
+    next (a decode step's weights). Holds no event per call, so a whole job's first round fits in memory (the
+    profiler's events of 10 prose_kl samples went past 23 GB)."""
 
     OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
 
@@ -105,15 +128,23 @@ class MatmulCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func._overloadpacket in self.OPS:
-            a, b = args[1:3] if func._overloadpacket is torch.ops.aten.addmm else args[:2]
+        op = func._overloadpacket
+        if op in self.OPS or op is torch.ops.mkldnn._linear_pointwise:
+            if op is torch.ops.mkldnn._linear_pointwise:  # x (M, K) times the packed weight (N, K)
+                flops = 2 * args[0].numel() * args[1].shape[0]
+            else:
+                a, b = args[1:3] if op is torch.ops.aten.addmm else args[:2]
+                flops = 2 * a.numel() * b.shape[-1]
             tensors = [t for t in args if isinstance(t, torch.Tensor)] + [out]
-            self.calls[(2 * a.numel() * b.shape[-1], sum(stored_bytes(t) for t in tensors))] += 1
+            self.calls[(flops, sum(stored_bytes(t) for t in tensors))] += 1
         return out
 
 
 def stored_bytes(t: torch.Tensor) -> int:
-    """Bytes of a tensor's distinct elements (a broadcast axis, stride 0, counted once)."""
+    """Bytes of a tensor's distinct elements (a broadcast axis, stride 0, counted once; a packed weight, which has no
+    strides, all of them)."""
+    if t.is_mkldnn:
+        return t.numel() * t.element_size()
     return math.prod(n for n, stride in zip(t.shape, t.stride()) if stride) * t.element_size()
 
 
@@ -130,12 +161,13 @@ BANDWIDTH_BYTES = 512 << 20  # the streamed sum's tensor
 
 def peak_bandwidth_gbs(dtype: torch.dtype, repeats: int = 5) -> float:
     """The best rate (GB/s) at which this CPU streams memory through torch operators, with the threads torch has: a
-    sum over 512 MB, and a one-row product with an LM head's weights (896 × 151,936, as a decode step reads them): the
-    memory roof of the roofline."""
+    sum over 512 MB, and a one-row product with an LM head's weights (896 × 151,936, as a decode step reads them;
+    plain and packed, `products`): the memory roof of the roofline."""
     big = torch.ones(BANDWIDTH_BYTES * 8 // torch.finfo(dtype).bits, dtype=dtype)
-    weight, row = torch.randn(151936, 896, dtype=dtype), torch.randn(1, 896, dtype=dtype)
+    weight = torch.randn(896, 151936, dtype=dtype)
     best = 0.0
-    for job, nbytes in ((big.sum, stored_bytes(big)), (lambda: torch.nn.functional.linear(row, weight), stored_bytes(weight))):
+    jobs = [(big.sum, stored_bytes(big))] + [(job, stored_bytes(weight)) for job in products(torch.randn(1, 896, dtype=dtype), weight)]
+    for job, nbytes in jobs:
         job()  # warm-up
         t0 = time.perf_counter()
         for _ in range(repeats):
@@ -224,12 +256,13 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = job()
     plain = time.perf_counter() - t0
     calls = counted_matmuls(job)
-    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True) as prof:
         t0 = time.perf_counter()
         job(profiled)
         wall = time.perf_counter() - t0
     events = prof.key_averages()
-    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(calls, matmul_gflop(events), peak_matmul_gflops(model.dtype),
+    rate = matmul_gflop(prof.key_averages(group_by_input_shape=True))
+    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(calls, rate, peak_matmul_gflops(model.dtype),
                                                                     peak_bandwidth_gbs(model.dtype), plain))
     out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
