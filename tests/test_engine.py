@@ -668,8 +668,9 @@ def test_divergence_is_kl_and_nll_per_row_against_the_reference_row():
 
 def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
     """decode_references: full caches of different prompts (different lengths, tails and positions) decoded
-    together give each one's own greedy answer."""
-    from kvlab.engine import decode_references
+    together give each one's own greedy answer; the logits kept for the rows asked are those each step chose its
+    token from: the cache stepped along its own answer (`stepped`, alone: rounding only)."""
+    from kvlab.engine import decode_references, stepped
 
     tokenizer = tiny[1]
     requests = []
@@ -677,9 +678,17 @@ def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
         (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
         base = prefill(sharp, s.prompt.context)
         requests.append((base.cache, s.prompt.question + s.prompt.suffix, base.length))
-    together = decode_references(sharp, requests, 12)
+    together, kept = decode_references(sharp, requests, 12, keep={0, 2})
     alone = [greedy_decode(sharp, [cache], tail, start, 12)[0] for cache, tail, start in requests]
     assert together == alone and len({tuple(a) for a in alone}) == 3
+    assert set(kept) == {0, 2}
+    for i in kept:
+        cache, tail, start = requests[i]
+        ((logp, choice),) = stepped(sharp, [(cache, tail, together[i], start)])
+        assert kept[i].shape == (len(together[i]), sharp.config.vocab_size)
+        assert kept[i].argmax(-1).tolist() == together[i] == choice.tolist()
+        torch.testing.assert_close(torch.log_softmax(kept[i].float(), -1), logp, rtol=0, atol=1e-5)
+    assert decode_references(sharp, requests, 12)[1] == {}
 
 
 def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp, monkeypatch):

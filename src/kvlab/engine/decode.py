@@ -40,17 +40,23 @@ def greedy_decode(
     return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set())
 
 
-def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int]) -> list[list[int]]:
+def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int],
+            kept: dict[int, list] | None = None) -> list[list[int]]:
     """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or its cap (`caps`: one for
-    every row, or each row's own)."""
+    every row, or each row's own). `kept`: sequence -> a list, to which each step appends the logits (V,) that row
+    chose its token from."""
     caps = [caps] * batch.size if isinstance(caps, int) else caps
+    kept = kept or {}
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max(caps, default=0)):
-        nxt = greedy(batch.forward(x, pos)[:, -1])
+        logits = batch.forward(x, pos)[:, -1]
+        nxt = greedy(logits)
         pos += x.shape[1]
         going = []
         for row, token in enumerate(nxt.tolist()):
+            if live[row] in kept:
+                kept[live[row]].append(logits[row].clone())
             out[live[row]].append(token)
             if token not in eos and len(out[live[row]]) < caps[live[row]]:
                 going.append(row)
@@ -65,11 +71,15 @@ def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos:
 
 @torch.no_grad()
 @record_function("kvlab.decode_reference")
-def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]], max_new_tokens: int) -> list[list[int]]:
+def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]], max_new_tokens: int,
+                      keep: set[int] = frozenset()) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
     """Greedy answers of several dense caches of different prompts, each `(cache, tail, start)`: every tail is fed
-    to its own cache, then all rows decode as one batch, each at its own positions (`decode_groups`)."""
-    return [answer for (answer,) in decode_groups(model, [([cache], tail, start, max_new_tokens)
-                                                          for cache, tail, start in requests])]
+    to its own cache, then all rows decode as one batch, each at its own positions (`decode_groups`). And for the
+    requests in `keep` (indices), the logits (len(answer), V) each step chose its token from: the cache read one token
+    at a time along its own answer, in a batch of other prompts (what `noise_floor` compares a one-pass reading
+    with)."""
+    answers, kept = _decode_groups(model, [([cache], tail, start, max_new_tokens) for cache, tail, start in requests], keep)
+    return [answer for (answer,) in answers], kept
 
 
 def joinable(model, caches: list[DynamicCache]) -> bool:
@@ -85,25 +95,42 @@ def decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int, 
     decodes in one batch, each at its own positions until EOS or its group's cap, so each step reads the weights
     once for all of them (a one-token step at a few rows is bound by those reads, not by its arithmetic). Groups that
     cannot join (`joinable`: models with sliding-window layers) decode one after another."""
+    return _decode_groups(model, groups)[0]
+
+
+def _decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int, int]],
+                   keep: set[int] = frozenset()) -> tuple[list[list[list[int]]], dict[int, torch.Tensor]]:
+    """`decode_groups`' answers, and for the rows in `keep` (indices over every group's rows, in order) the logits
+    (len(answer), V) each of their steps chose its token from."""
+    kept = {i: [] for i in keep}
+    eos = stop_ids(model)
     if len(groups) < 2 or not all(joinable(model, caches) for caches, *_ in groups):
-        return [greedy_decode(model, caches, tail, start, cap) for caches, tail, start, cap in groups]
+        answers, offset = [], 0
+        for caches, tail, start, cap in groups:
+            batch = Batch(model, caches)
+            mine = {i - offset: rows for i, rows in kept.items() if offset <= i < offset + len(caches)}
+            answers.append(_greedy(batch, torch.tensor([tail] * batch.size, device=model.device), start, cap, eos, mine))
+            offset += len(caches)
+        return answers, {i: torch.stack(rows) for i, rows in kept.items()}
     batch, logits = _joined(model, [(caches, tail, start) for caches, tail, start, _ in groups])
     caps = [cap for caches, _, _, cap in groups for _ in caches]
-    eos = stop_ids(model)
     first = greedy(logits)
+    for i, rows in kept.items():
+        rows.append(logits[i])
     out = [[t] for t in first.tolist()]
     going = [i for i, t in enumerate(first.tolist()) if t not in eos and caps[i] > 1]
     if going:
         if len(going) < batch.size:
             batch.keep(going)
-        rest = _greedy(batch, first[going, None], 0, [caps[i] - 1 for i in going], eos)
+        rest = _greedy(batch, first[going, None], 0, [caps[i] - 1 for i in going], eos,
+                       {row: kept[i] for row, i in enumerate(going) if i in kept})
         for i, more in zip(going, rest):
             out[i] += more
     answers, start = [], 0
     for caches, *_ in groups:
         answers.append(out[start : start + len(caches)])
         start += len(caches)
-    return answers
+    return answers, {i: torch.stack(rows) for i, rows in kept.items()}
 
 
 def _joined(model, groups: list[tuple[list[DynamicCache], list[int], int]]) -> tuple[Batch, torch.Tensor]:
@@ -296,7 +323,7 @@ def verify(
     the reference's answer when it was already decoded (`decode_references`, with other prompts' references)."""
     t0 = time.perf_counter()
     if path is None:
-        (path,) = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
+        (path,), _ = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
     t1 = time.perf_counter()
     div, logp_ref, choice = forced_divergence(model, caches, tail, path, start, ref)
     first = first_divergence(choice, path)
@@ -373,6 +400,13 @@ def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], 
     padded or not, gave bitwise equal logits on the tiny model; one-token steps take other kernels.)"""
     return [_against("noise", logp_ref, logp, choice, path)
             for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests]))]
+
+
+def stepped_noise(logp_ref: torch.Tensor, logits: torch.Tensor, path: list[int]) -> dict:
+    """`noise_floor`'s columns for a full row whose one-token steps along `path` were already taken: `logits`
+    (len(path), V), those the reference's own decoding chose `path` from (`decode_references`' `keep`), in a batch
+    of other prompts, right-padded, as `noise_floor` would step it again (so its greedy choice follows `path`)."""
+    return _against("noise", logp_ref, torch.log_softmax(logits.float(), dim=-1), greedy(logits), path)
 
 
 def _against(prefix: str, logp_ref: torch.Tensor, logp: torch.Tensor, choice: torch.Tensor, path: list[int]) -> dict:

@@ -12,7 +12,8 @@ from torch.profiler import record_function
 
 from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.decode import (
-    Verified, decode_groups, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, verify,
+    Verified, decode_groups, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, stepped_noise,
+    verify,
 )
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.kernels.kvcache import layer_nbytes
@@ -101,8 +102,10 @@ def evaluate_samples(
     at most DIVERGED_BYTES of their caches wait: beyond, the samples so far are decoded then). With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
-    (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample),
-    stepped together as one batch; its seconds are split evenly among them. With `other` (the model loaded in another
+    (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample):
+    a verified turn's from the one-token steps its full answer was decoded with (kept by `decode_references`, the
+    reading the noise floor would step again), the others' (a reference text's path) stepped together as one batch,
+    their seconds split evenly among them. With `other` (the model loaded in another
     compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
     (`decode.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
     None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
@@ -116,14 +119,18 @@ def evaluate_samples(
     plans = [plan(model, sample, modes) for sample in samples]
     wanted = [(i, key, number) for i, pl in enumerate(plans) for key, labelled in pl.turns_of.items()
               for number in labelled if pl.verified(number)]
-    t0 = time.perf_counter()
-    answers = decode_references(model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
-                                         plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens)
-    reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
-    paths = dict(zip(wanted, answers))
 
     def measured(limit: int | None, i: int) -> bool:
         return limit is None or i < limit
+
+    t0 = time.perf_counter()
+    answers, kept = decode_references(model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
+                                               plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens,
+                                      keep={n for n, (i, _, _) in enumerate(wanted) if kl and measured(noise_samples, i)})
+    reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
+    paths = dict(zip(wanted, answers))
+    steps = {wanted[n]: logits for n, logits in kept.items()}  # the noise floor's one-token steps, already taken
+    del kept
 
     rows, pending, owner = [], [], []  # pending: (noise-floor request, its rows, the token ids before its path)
     waiting, runs, held = [], [], 0  # samples' row makers and verified turns whose diverged rows are not decoded yet
@@ -141,8 +148,9 @@ def evaluate_samples(
     for i, pl in enumerate(plans):
         wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
         makers, verified, count = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl,
-                                 {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
-                                 pending if wanted_here else None, open_modes)
+                                        {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
+                                        pending if wanted_here else None, open_modes,
+                                        {k[1:]: steps.pop(k) for k in list(steps) if k[0] == i})
         waiting.append((i, makers))
         runs += verified
         held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group[0])
@@ -151,7 +159,13 @@ def evaluate_samples(
         if held > DIVERGED_BYTES:
             settle()
     settle()
-    _fill(pending, [measured(noise_samples, i) for i in owner], lambda todo: noise_floor(model, [r for r, _, _ in todo]), "noise_s")
+    chosen = [measured(noise_samples, i) for i in owner]
+    for (request, made, _), keep in zip(pending, chosen):
+        if keep and request[5] is not None:  # a verified turn's: measured from its reference's own decoding (`_rows`)
+            for row in made:
+                row.update(request[5])
+    _fill(pending, [keep and request[5] is None for (request, _, _), keep in zip(pending, chosen)],
+          lambda todo: noise_floor(model, [r[:5] for r, _, _ in todo]), "noise_s")
     if other is not None:
         dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
         _fill(pending, [measured(other_samples, i) for i in owner],
@@ -211,12 +225,17 @@ def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, pending: list | None, open_modes: dict | None = None) -> tuple[list, list[Verified], int]:
+          reference_s: float, pending: list | None, open_modes: dict | None = None,
+          steps: dict | None = None) -> tuple[list, list[Verified], int]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer), as makers: call each,
     in order, for its turn's rows once the returned verified turns' diverged rows are decoded and settled (with
-    other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With `pending` (a list), each full row with a
-    KL path adds its noise-floor request, its rows and the token ids before its path, to be filled in later.
-    `open_modes`: as in `evaluate_samples`."""
+    other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With
+    `pending` (a list), each full row with a KL path adds its noise-floor request (cache, tail, path, start,
+    log-probabilities of the one pass, and the noise columns when already measured), its rows and the token ids
+    before its path, to be filled in later. `steps`: (key, turn) -> the logits the full answer's own decoding chose
+    it from (`decode_references`' `keep`), from which a verified turn's noise floor is measured at once
+    (`stepped_noise`: that decoding is the one-token reading the noise floor compares the one pass with), each
+    freed once used. `open_modes`: as in `evaluate_samples`."""
     sample, p = pl.sample, pl.sample.prompt
     makers, runs, count = [], [], 0
     every, every_ref = variants, ref
@@ -248,7 +267,14 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
                     path = p.reference
                 tf_s = time.perf_counter() - t0
-            request = (caches[ref], turn_tail, path, base.length, logp_ref) if logp_ref is not None and pending is not None else None
+            request = None
+            if logp_ref is not None and pending is not None:
+                noise, logits = None, (steps or {}).pop((key, number), None)
+                if logits is not None and run is not None:
+                    t0 = time.perf_counter()
+                    noise = stepped_noise(logp_ref, logits, path)
+                    noise["noise_s"] = time.perf_counter() - t0
+                request = (caches[ref], turn_tail, path, base.length, logp_ref, noise)
             # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
             timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": tf_s, "decode_s": decode_s}
             makers.append(partial(_turn_rows, tokenizer, sample, variants, ref, number, gold, labelled[number], base,
@@ -297,9 +323,9 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
             # answer is the full cache's; on the full row itself, a near-tie between its parallel and
             # its step-by-step pass: the numerical noise floor)
             "diverged_at": first[i],
-            # on the full row: the same cache teacher-forced again, token by token, in a batch of other prompts
-            # (`noise_floor`, filled in once every sample's rows are made), the floor of KL and of answer
-            # changes that rounding alone produces; empty on every other row
+            # on the full row: the same cache read along the same path token by token, in a batch of other
+            # prompts (its own decoding's steps, or `noise_floor`'s, filled in once every sample's rows are made),
+            # the floor of KL and of answer changes that rounding alone produces; empty on every other row
             **dict.fromkeys(NOISE_COLUMNS),
             # on the full row: its path read by the model in another compute dtype (`dtype_floor`)
             **dict.fromkeys(DTYPE_NOISE_COLUMNS),
