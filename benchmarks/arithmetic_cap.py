@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         base = prefill(model, sample.prompt.context)
         requests.append((base.cache, sample.prompt.question + sample.prompt.suffix, base.length))
     t0 = time.perf_counter()
-    answers = decode_references(model, requests, max(args.caps))
+    answers, _ = decode_references(model, requests, max(args.caps))
     seconds = time.perf_counter() - t0
     eos = stop_ids(model)
     rows = []

@@ -2,16 +2,16 @@
 
 A decode step multiplies a few token rows by every weight of the model, so its matmuls are bound by how fast the
 GEMM streams the weights. ``torch.nn.functional.linear`` hands oneDNN (bf16) or MKL (fp32) a plain row-major weight
-that the library re-lays out, or reads in a layout made for large M, at every call: at 1–16 rows it streams 10–20
-GB/s on a 2-core EPYC where the same product over a weight packed once for the kernel streams 25–100 GB/s (bf16:
-the MLP's up projection at 8 rows 0.77 → 0.46 ms, the LM head 19.7 → 11.5 ms; fp32: 4.3 → 1.2 ms and 80 → 22 ms),
-and large M gets no slower (a 512-row prefill's MLP: 23.7 → 21.8 ms bf16, 56 → 42 ms fp32).
+at every call, which the library re-lays out or reads in a layout made for large M; the same product over a weight
+packed once for the kernel is 1.5-4.6x faster at 1-16 rows, and no slower at 512 (`benchmarks/packed_linear.py`,
+rows in results/bench/packed_linear.parquet; 2-core AVX512-BF16 EPYC: at 8 rows the MLP's gate projection 0.48 ->
+0.21 ms in bf16 and 1.70 -> 0.37 ms in fp32, the LM head 18.3 -> 12.0 ms and 90.5 -> 19.6 ms).
 
 torch packs weights this way itself when ``torch.compile`` freezes a CPU model (inductor's mkldnn fusion pass calls
 the same two operators, ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``). Compiling the
 engine's many dynamic shapes would cost far more than it saves, and the public ``torch.utils.mkldnn.to_mkldnn``
-keeps an unpacked oneDNN weight and converts every input and output (measured slower than plain ``linear`` at 8 and
-512 rows), so kvlab calls the two operators directly. ``torch.nn.functional.linear`` is the reference beside it:
+keeps an unpacked oneDNN weight and converts every input and output (on the console, slower than the packed
+product at 1, 8 and 512 rows in both dtypes), so kvlab calls the two operators directly. ``torch.nn.functional.linear`` is the reference beside it:
 
 - bf16: torch's CPU ``linear`` runs oneDNN's bf16 GEMM as well, and the packed product equals it bitwise
   (tests/test_linear.py);
@@ -51,6 +51,12 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
         self.bias = None if bias is None else bias.detach().clone()  # its own copy (not a view of a weights file's map)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight (out_features, in_features) as a plain tensor, unpacked at each access: for code that reads a
+        layer's weight (kvpress's CriticalKV and KVzip presses read `o_proj.weight`)."""
+        return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features), self.packed, self.bias, "none", [], "")

@@ -22,6 +22,7 @@ def test_packed_product_is_linear(dtype, bias):
     torch.manual_seed(1)
     ref = nn.Linear(96, 200, bias=bias).to(dtype)
     packed = PackedLinear(ref.weight, ref.bias)
+    assert torch.equal(packed.weight, ref.weight) and packed.weight.layout == torch.strided  # what kvpress may read
     with torch.no_grad():
         for x in inputs(dtype):
             out, want = packed(x), ref(x)
@@ -58,3 +59,25 @@ def test_pack_linears_replaces_only_packable_layers():
     assert type(net[0]) is PackedLinear and type(net[1][0]) is nn.Linear  # fp16 has no packed kernel: left as is
     with pytest.raises(ValueError, match="float16 weight on cpu has no packed oneDNN kernel"):
         PackedLinear(torch.zeros(4, 4, dtype=torch.float16))
+
+
+def test_packed_linear_benchmark_times_both_ways(tmp_path, monkeypatch):
+    """benchmarks/packed_linear.py: one row per dtype, weight and row count, both timings, the two results equal
+    within rounding; a dtype without a packed kernel is skipped, not timed."""
+    import importlib.util
+    from pathlib import Path
+
+    import pandas as pd
+
+    path = Path(__file__).parents[1] / "benchmarks" / "packed_linear.py"
+    spec = importlib.util.spec_from_file_location("packed_linear_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "WEIGHTS", {"small": (40, 24), "wide": (300, 24)})
+    monkeypatch.setattr(bench, "ROWS", (1, 8))
+    monkeypatch.setattr(bench, "per_call", lambda job, budget_s=0.3: (job(), 1e-3)[1])
+    out = bench.main(["--dtypes", "float32", "float16", "--out", str(tmp_path / "p.parquet")])
+    assert out.equals(pd.read_parquet(tmp_path / "p.parquet"))
+    assert sorted(zip(out["weight"], out["rows"])) == [("small", 1), ("small", 8), ("wide", 1), ("wide", 8)]
+    assert set(out["dtype"]) == {"float32"} and (out["max_abs_diff"] < 1e-5).all()
+    assert out["linear_gbs"].tolist() == pytest.approx([40 * 24 * 4 / 1e6] * 2 + [300 * 24 * 4 / 1e6] * 2)
