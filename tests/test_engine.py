@@ -765,6 +765,23 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     assert choice.tolist() == run.answers[0]
     (itself,) = noise_floor(sharp, [(caches[0], tail, run.answers[0], base.length, alone)])
     assert itself["noise_kl"] == 0 and itself["noise_kl_max"] == 0 and itself["noise_diverged_at"] is None
+    assert full["noise_diverged_at"] == full["diverged_at"]  # a verified turn: where the one pass leaves the steps
+
+
+def test_stepped_noise_is_the_noise_floor_of_steps_already_taken():
+    """A verified turn's noise columns from its own decoding's logits: the KL against the one pass as noise_floor
+    computes it, and the answer change where the one pass's choice leaves the steps' (which are the path)."""
+    from kvlab.engine.decode import _against, stepped_noise
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 11, generator=g)
+    path = logits.argmax(-1).tolist()  # the steps' own greedy answer
+    logp_ref = torch.log_softmax(logits + 0.3 * torch.randn(6, 11, generator=g), -1)
+    got = stepped_noise(logp_ref, logits, path, 4)
+    want = _against("noise", logp_ref, torch.log_softmax(logits, -1), logits.argmax(-1), path)
+    assert got["noise_kl"] == want["noise_kl"] > 0 and got["noise_kl_max"] == want["noise_kl_max"]
+    assert want["noise_diverged_at"] is None and got["noise_diverged_at"] == 4
+    assert stepped_noise(logp_ref, logits, path, None)["noise_diverged_at"] is None
 
 
 def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp):

@@ -402,11 +402,14 @@ def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], 
             for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests]))]
 
 
-def stepped_noise(logp_ref: torch.Tensor, logits: torch.Tensor, path: list[int]) -> dict:
+def stepped_noise(logp_ref: torch.Tensor, logits: torch.Tensor, path: list[int], one_pass_first: int | None) -> dict:
     """`noise_floor`'s columns for a full row whose one-token steps along `path` were already taken: `logits`
     (len(path), V), those the reference's own decoding chose `path` from (`decode_references`' `keep`), in a batch
-    of other prompts, right-padded, as `noise_floor` would step it again (so its greedy choice follows `path`)."""
-    return _against("noise", logp_ref, torch.log_softmax(logits.float(), dim=-1), greedy(logits), path)
+    of other prompts, right-padded, as `noise_floor` would step it again. Their greedy choice is `path` itself, so
+    where the two readings' answers part is where the one pass's choice first leaves `path` (`one_pass_first`, the
+    full row's `first_divergence`; None: nowhere): `noise_diverged_at`."""
+    out = _against("noise", logp_ref, torch.log_softmax(logits.float(), dim=-1), greedy(logits), path)
+    return {**out, "noise_diverged_at": one_pass_first}
 
 
 def _against(prefix: str, logp_ref: torch.Tensor, logp: torch.Tensor, choice: torch.Tensor, path: list[int]) -> dict:

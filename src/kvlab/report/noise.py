@@ -1,6 +1,6 @@
 """The measured noise floors (the `noise_floor` query): the full cache against itself under a change that should not
-matter, per model, compute dtype and change: teacher-forced again one token at a time in a padded batch of other
-prompts' full rows, or read in one pass by the model in another compute dtype (config `dtype_floor`), each against
+matter, per model, compute dtype and change: read one token at a time in a padded batch of other prompts' full
+rows (on question tasks the steps of its own decoding), or read in one pass by the model in another compute dtype (config `dtype_floor`), each against
 its one pass in the batch of every row, with the same intervals as any other KL and answer share
 (kvlab.report.stats). Shown beside every KL claim and in the divergence section."""
 

@@ -325,8 +325,9 @@ FROM eval WHERE metric <> 'none' GROUP BY ALL ORDER BY model, full_row DESC;
 
 -- name: noise_floor
 -- The full cache against itself under a change that should not matter (`change`): every measured full row
--- teacher-forced a second time one token at a time along the same path, in a padded batch of other prompts' rows
--- (noise_kl), or read in one pass by the model in another compute dtype (dtype_noise_kl), against its one pass in
+-- read one token at a time along the same path, in a padded batch of other prompts' rows (noise_kl: on question
+-- tasks the steps its answer was decoded with, whose choice is the answer, so noise_diverged_at is where the one
+-- pass's choice leaves it; on prose a second, stepped pass), or read in one pass by the model in another compute dtype (dtype_noise_kl), against its one pass in
 -- the batch of every row. Per-token KL between the two (nats, mean over the path) and, on scored tasks, whether
 -- the other reading's greedy choice leaves the answer somewhere: what rounding alone does to a KL and to an
 -- answer. (Full rows that several question modes share are counted once.)

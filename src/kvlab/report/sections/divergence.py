@@ -32,10 +32,12 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "the uncompressed model was going. kl_low, kl_high: one-sided 95% bounds of the mean KL (bootstrap over "
         f"samples; blank under {rule.kl_min_samples} samples).</p>" + table(with_bounds(q["divergence"], rule))
         + "<h3>Noise floor</h3><p>The full cache against itself, against its one pass in the batch of every row of "
-        "its own prompt, under two changes that should not matter (change): each full row teacher-forced a second "
-        "time, one token at a time as decoding feeds it, along the same path, in a padded batch with other prompts' "
-        "full rows; and the first samples' full rows (config <code>dtype_floor</code>) read in one pass by the model "
-        "loaded in another compute dtype (float32 beside a bfloat16 run). Their KL and the answers their greedy "
-        "choice would change are what rounding alone does: a method's KL or answer change no larger than this is no "
-        "evidence. Bounds as above; answers_changed with a 95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
+        "its own prompt, under two changes that should not matter (change): each full row read one token at a time "
+        "as decoding feeds it, along the same path, in a padded batch with other prompts' full rows (on question "
+        "tasks the steps its own answer was decoded with, so an answer changes where the one pass's choice leaves "
+        "them; on prose a second, stepped pass along the text); and the first samples' full rows (config "
+        "<code>dtype_floor</code>) read in one pass by the model loaded in another compute dtype (float32 beside a "
+        "bfloat16 run). Their KL and the answers their greedy choice would change are what rounding alone does: a "
+        "method's KL or answer change no larger than this is no evidence. Bounds as above; answers_changed with a "
+        "95% Wilson interval.</p>" + table(floor(q["noise_floor"], rule))
     )
