@@ -777,11 +777,11 @@ def test_stepped_noise_is_the_noise_floor_of_steps_already_taken():
     logits = torch.randn(6, 11, generator=g)
     path = logits.argmax(-1).tolist()  # the steps' own greedy answer
     logp_ref = torch.log_softmax(logits + 0.3 * torch.randn(6, 11, generator=g), -1)
-    got = stepped_noise(logp_ref, logits, path, 4)
+    got = stepped_noise(logp_ref, logits, 4)
     want = _against("noise", logp_ref, torch.log_softmax(logits, -1), logits.argmax(-1), path)
     assert got["noise_kl"] == want["noise_kl"] > 0 and got["noise_kl_max"] == want["noise_kl_max"]
     assert want["noise_diverged_at"] is None and got["noise_diverged_at"] == 4
-    assert stepped_noise(logp_ref, logits, path, None)["noise_diverged_at"] is None
+    assert stepped_noise(logp_ref, logits, None)["noise_diverged_at"] is None
 
 
 def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp):

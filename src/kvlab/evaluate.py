@@ -54,7 +54,7 @@ def ready(model, device: str):
     from kvlab.kernels.linear import pack_linears
 
     model = model.to(device).eval()
-    if device == "cpu" and pack_linears(model):
+    if pack_linears(model):  # none on a GPU (`packable`)
         for p in model.parameters():
             p.data = p.data.clone()
     return model

@@ -35,9 +35,14 @@ def greedy_decode(
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
     RoPE rotation they were cached with. A re-rotated cache (KeyRerotationPress) continues at its kept length.
     """
+    return _decode(model, caches, tail, start, max_new_tokens, stop_ids(model) if stop else set())
+
+
+def _decode(model, caches: list[DynamicCache], tail: list[int], start: int, cap: int, eos: set[int],
+            kept: dict[int, list] | None = None) -> list[list[int]]:
+    """`greedy_decode` of one batch of caches with stop tokens `eos`; `kept` as in `_greedy`."""
     batch = Batch(model, caches)
-    x = torch.tensor([tail] * batch.size, device=model.device)
-    return _greedy(batch, x, start, max_new_tokens, stop_ids(model) if stop else set())
+    return _greedy(batch, torch.tensor([tail] * batch.size, device=model.device), start, cap, eos, kept)
 
 
 def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int],
@@ -107,9 +112,8 @@ def _decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int,
     if len(groups) < 2 or not all(joinable(model, caches) for caches, *_ in groups):
         answers, offset = [], 0
         for caches, tail, start, cap in groups:
-            batch = Batch(model, caches)
             mine = {i - offset: rows for i, rows in kept.items() if offset <= i < offset + len(caches)}
-            answers.append(_greedy(batch, torch.tensor([tail] * batch.size, device=model.device), start, cap, eos, mine))
+            answers.append(_decode(model, caches, tail, start, cap, eos, mine))
             offset += len(caches)
         return answers, {i: torch.stack(rows) for i, rows in kept.items()}
     batch, logits = _joined(model, [(caches, tail, start) for caches, tail, start, _ in groups])
@@ -402,23 +406,25 @@ def noise_floor(model, requests: list[tuple[DynamicCache, list[int], list[int], 
             for (_, _, path, _, logp_ref), (logp, choice) in zip(requests, stepped(model, [r[:4] for r in requests]))]
 
 
-def stepped_noise(logp_ref: torch.Tensor, logits: torch.Tensor, path: list[int], one_pass_first: int | None) -> dict:
-    """`noise_floor`'s columns for a full row whose one-token steps along `path` were already taken: `logits`
-    (len(path), V), those the reference's own decoding chose `path` from (`decode_references`' `keep`), in a batch
-    of other prompts, right-padded, as `noise_floor` would step it again. Their greedy choice is `path` itself, so
-    where the two readings' answers part is where the one pass's choice first leaves `path` (`one_pass_first`, the
+def stepped_noise(logp_ref: torch.Tensor, logits: torch.Tensor, one_pass_first: int | None) -> dict:
+    """`noise_floor`'s columns for a full row whose one-token steps along its path were already taken: `logits`
+    (len(path), V), those the reference's own decoding chose the path from (`decode_references`' `keep`), in a batch
+    of other prompts, right-padded, as `noise_floor` would step it again. Their greedy choice is the path itself, so
+    where the two readings' answers part is where the one pass's choice first leaves the path (`one_pass_first`, the
     full row's `first_divergence`; None: nowhere): `noise_diverged_at`."""
-    out = _against("noise", logp_ref, torch.log_softmax(logits.float(), dim=-1), greedy(logits), path)
-    return {**out, "noise_diverged_at": one_pass_first}
+    return {**_kl_columns("noise", logp_ref, torch.log_softmax(logits.float(), dim=-1)), "noise_diverged_at": one_pass_first}
 
 
 def _against(prefix: str, logp_ref: torch.Tensor, logp: torch.Tensor, choice: torch.Tensor, path: list[int]) -> dict:
-    """A noise floor's columns for one path: mean and max per-token KL(reference ‖ other reading) in nats, and where
-    the other reading's greedy `choice` first leaves `path` (None: nowhere); named `{prefix}_kl`, `{prefix}_kl_max`,
-    `{prefix}_diverged_at`."""
+    """A noise floor's columns for one path: `_kl_columns`, and where the other reading's greedy `choice` first leaves
+    `path` (None: nowhere), named `{prefix}_diverged_at`."""
+    return {**_kl_columns(prefix, logp_ref, logp), f"{prefix}_diverged_at": first_divergence(choice[None], path)[0]}
+
+
+def _kl_columns(prefix: str, logp_ref: torch.Tensor, logp: torch.Tensor) -> dict:
+    """Mean and max per-token KL(reference ‖ other reading) in nats, named `{prefix}_kl`, `{prefix}_kl_max`."""
     kl = (logp_ref.exp() * (logp_ref - logp)).sum(-1).clamp_min(0)
-    return {f"{prefix}_kl": float(kl.mean()), f"{prefix}_kl_max": float(kl.max()),
-            f"{prefix}_diverged_at": first_divergence(choice[None], path)[0]}
+    return {f"{prefix}_kl": float(kl.mean()), f"{prefix}_kl_max": float(kl.max())}
 
 
 @torch.no_grad()

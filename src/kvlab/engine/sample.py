@@ -272,7 +272,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 noise, logits = None, (steps or {}).pop((key, number), None)
                 if logits is not None and run is not None:
                     t0 = time.perf_counter()
-                    noise = stepped_noise(logp_ref, logits, path, run.first[ref])
+                    noise = stepped_noise(logp_ref, logits, run.first[ref])
                     noise["noise_s"] = time.perf_counter() - t0
                 request = (caches[ref], turn_tail, path, base.length, logp_ref, noise)
             # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
