@@ -893,3 +893,96 @@ def test_forced_divergence_is_divergence_of_the_teacher_forced_pass(tiny, sharp)
     rows, logp_ref, chosen = forced_divergence(sharp, caches, tail, path, base.length, ref)
     assert rows == divergence(logp, path, ref) and torch.equal(logp_ref, logp[ref]) and torch.equal(chosen, choice)
     assert rows[ref]["kl_vs_full"] == 0 and sum(r["kl_vs_full"] > 1e-3 for r in rows) >= 3
+
+
+def test_a_split_row_cut_back_is_the_row_fed_less(tiny, sharp, sample):
+    """Batch.split(rows, fed): a row cut back to the first k tokens fed since stacking is that row's cache fed only
+    those k (the same keys and values, and the same logits for the next token, fp32); quantized rows cannot be cut."""
+    grid = [Variant("full", "full", 1.0), Variant("snap", "kvpress", 0.5, SNAP), Variant("stream", "kvpress", 0.25, STREAM)]
+    base = prefill(sharp, sample.prompt.context)
+    caches = [compress(sharp, base, v) for v in grid]
+    tail, extra = sample.prompt.question + sample.prompt.suffix, [5, 6, 7, 8]
+    fed = Batch(sharp, caches)
+    fed.forward(torch.tensor([tail + extra] * 3), base.length)
+    for (i, k), row in zip(((2, 1), (0, 3)), fed.split([2, 0], [len(tail) + 1, len(tail) + 3])):
+        short = Batch(sharp, [caches[i]])
+        short.forward(torch.tensor([tail + extra[:k]]), base.length)
+        (alone,) = short.split()
+        for mine, theirs in zip(row.layers, alone.layers):
+            torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-5)
+            torch.testing.assert_close(mine.values, theirs.values, rtol=0, atol=1e-5)
+        nxt = []
+        for cache in (row, alone):
+            one = Batch(sharp, [cache])
+            one.shift = torch.tensor([base.length + len(tail) + k])
+            nxt.append(one.forward(torch.tensor([[extra[k]]]), 0)[0, -1])
+        torch.testing.assert_close(nxt[0], nxt[1], rtol=0, atol=1e-4)
+    with pytest.raises(ValueError, match="keeps 0 to"):
+        fed.split([0], [len(tail) + len(extra) + 1])
+    kivi = Batch(sharp, [compress(sharp, base, Variant("kivi2", "quant", 1.0, VERIFY_METHODS["kivi2"]))])
+    kivi.forward(torch.tensor([tail]), base.length)
+    with pytest.raises(ValueError, match="cannot keep fewer"):
+        kivi.split([0], [len(tail) - 1])
+
+
+def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monkeypatch):
+    """verify: a dense row that leaves the reference's answer at d resumes from the teacher-forced pass, fed only the
+    token it chose there, at position start + len(tail) + d (no tail fed again), and every row's answer is the one
+    decoding it step by step gives. Where the pass cannot be split into rows (sliding-window models), the dense rows
+    are fed the shared prefix from the tail instead, with the same answers."""
+    from kvlab.engine import verify
+    from kvlab.engine.decode import decode_diverged
+
+    methods = {name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}
+    resumed = 0
+    for seed in (1, 2):
+        grid = variants(build(methods), [0.5, 0.1])
+        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tiny[1], 600)
+        base = prefill(sharp, s.prompt.context)
+        caches = [compress(sharp, base, v) for v in grid]
+        tail = s.prompt.question + s.prompt.suffix
+        every = greedy_decode(sharp, caches, tail, base.length, 12)
+        run = verify(sharp, caches, 0, tail, base.length, 12)
+        for part in run.diverged:
+            if part.stepwise:
+                assert part.group[1] == tail and part.group[2] == base.length
+                continue
+            (i,) = part.rows
+            d = run.first[i]
+            assert part.prefix == every[i][: d + 1] and part.group[1] == [every[i][d]]
+            assert part.group[2] == base.length + len(tail) + d and part.group[3] == 12 - d - 1
+            resumed += 1
+        decode_diverged(sharp, [run])
+        assert run.answers == every
+        with monkeypatch.context() as m:
+            m.setattr(Batch, "splittable", lambda self: False)
+            fallback = verify(sharp, caches, 0, tail, base.length, 12)
+            dense = [part for part in fallback.diverged if not part.stepwise]
+            assert all(part.group[1] == tail + part.prefix for part in dense)
+            decode_diverged(sharp, [fallback])
+        assert fallback.answers == every
+    assert resumed >= 2
+
+
+def test_groups_with_tails_of_one_length_are_fed_in_one_pass(tiny, sharp, monkeypatch):
+    """decode_groups feeds the tails of groups of one length in one pass (each row at its own positions), and splits
+    and joins rows only across lengths; the answers are each group's alone either way."""
+    from kvlab.engine import decode_groups
+
+    tokenizer, groups = tiny[1], []
+    for seed, ctx in ((1, 500), (2, 620), (3, 560)):
+        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        base = prefill(sharp, s.prompt.context)
+        caches = [base.cache, compress(sharp, base, Variant("snap", "kvpress", 0.5, SNAP))]
+        groups.append((caches, (s.prompt.question + s.prompt.suffix)[-6:], base.length, 8))
+    alone = [greedy_decode(sharp, caches, tail, start, cap) for caches, tail, start, cap in groups]
+    passes = []
+    forward = Batch.forward
+    monkeypatch.setattr(Batch, "forward", lambda self, ids, *a, **k: passes.append(ids.shape) or forward(self, ids, *a, **k))
+    assert decode_groups(sharp, groups) == alone
+    assert passes[0] == (6, 6) and all(shape[1] == 1 for shape in passes[1:])
+    mixed = [groups[0], (groups[1][0], groups[1][1][-4:], groups[1][2] + 2, 8), groups[2]]
+    expected = [greedy_decode(sharp, c, t, s, cap) for c, t, s, cap in mixed]
+    passes.clear()
+    assert decode_groups(sharp, mixed) == expected
+    assert sorted(passes[:2]) == [(2, 4), (4, 6)] and all(shape[1] == 1 for shape in passes[2:])

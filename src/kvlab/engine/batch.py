@@ -286,30 +286,44 @@ class Batch:
         """Whether `split` can take the rows apart: no sliding-window layer (it keeps its own window)."""
         return all(isinstance(layer, (Rows, Growing)) for layer in self.cache.layers)
 
-    def split(self) -> list[DynamicCache]:
+    def split(self, rows: list[int] | None = None, fed: list[int] | None = None) -> list[DynamicCache]:
         """Each row as a cache of its own: what it held, then the tokens fed since stacking, without padding (a dense
         layer whose press hid entries per head keeps hiding them: `Masked`), at position shift 0. A new Batch over
         such caches reads them as this one does, so rows fed in different batches (other prompts, other tails) can
-        decode as one batch, each at its own positions (set `shift`). Needs `splittable`."""
+        decode as one batch, each at its own positions (set `shift`). Needs `splittable`. `rows`: only these batch
+        rows (default all); `fed`: for each of them, how many of the fed tokens it keeps (the first ones; default
+        all), e.g. a teacher-forced row resumed where its choice left the path (dense layers only: a quantized
+        row's codes cannot be cut back)."""
         if not self.splittable():
             raise ValueError("Batch.split: a sliding-window layer keeps its own window and cannot be split into rows")
+        rows = list(range(self.size)) if rows is None else rows
+        fed = [self.fed] * len(rows) if fed is None else fed
+        if any(not 0 <= n <= self.fed for n in fed):
+            raise ValueError(f"Batch.split: a row keeps 0 to {self.fed} of the tokens fed since stacking, not {fed}")
+        if any(n < self.fed for n in fed) and any(isinstance(layer, Rows) for layer in self.cache.layers):
+            raise ValueError("Batch.split: quantized or self-evicting rows (Rows) cannot keep fewer tokens than were fed")
         out = []
-        for _ in range(self.size):
+        for _ in rows:
             cache = shallow_copy(self.cache)
             if isinstance(cache, KVCache):
                 cache.position_shift, cache.step_kv = 0, None
             out.append(cache)
         for idx, layer in enumerate(self.cache.layers):
-            rows = layer.single_rows() if isinstance(layer, Rows) else [self._dense_row(idx, r) for r in range(self.size)]
-            for cache, row in zip(out, rows):
-                cache.layers[idx] = row
+            if isinstance(layer, Rows):
+                every = layer.single_rows()
+                parts = [every[r] for r in rows]
+            else:
+                parts = [self._dense_row(idx, r, n) for r, n in zip(rows, fed)]
+            for cache, part in zip(out, parts):
+                cache.layers[idx] = part
         return out
 
-    def _dense_row(self, idx: int, row: int) -> DynamicLayer:
-        """Row `row` of the dense layer `idx`: its own entries, then the tail, as a layer of its own."""
+    def _dense_row(self, idx: int, row: int, fed: int) -> DynamicLayer:
+        """Row `row` of the dense layer `idx`: its own entries, then the first `fed` tokens of the tail, as a layer of
+        its own."""
         layer, held, width = self.cache.layers[idx], int(self.lengths[idx][row]), self.padded[idx]
-        keys = torch.cat([layer.keys[row : row + 1, :, :held], layer.keys[row : row + 1, :, width:]], dim=-2)
-        values = torch.cat([layer.values[row : row + 1, :, :held], layer.values[row : row + 1, :, width:]], dim=-2)
+        keys = torch.cat([layer.keys[row : row + 1, :, :held], layer.keys[row : row + 1, :, width : width + fed]], dim=-2)
+        values = torch.cat([layer.values[row : row + 1, :, :held], layer.values[row : row + 1, :, width : width + fed]], dim=-2)
         hidden = self.masked[idx]
         if hidden is not None and bool(hidden[row].any()):
             tail = hidden.new_zeros(1, hidden.shape[1], keys.shape[-2] - held)

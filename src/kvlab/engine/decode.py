@@ -138,22 +138,33 @@ def _decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int,
 
 
 def _joined(model, groups: list[tuple[list[DynamicCache], list[int], int]]) -> tuple[Batch, torch.Tensor]:
-    """Each group's tail fed to its caches in one pass `(caches, tail, start)`, then every row joined into one
-    right-padded batch (`Batch.split`) whose positions continue per row (`Batch.shift`: feeding at position p puts a
-    row at start + len(tail) + p, plus its own shift if re-rotated); and each row's last logits (rows, V), which
-    predict its first new token."""
-    first, fed, shift = [], [], []
-    for caches, tail, start in groups:
-        one = Batch(model, caches)
-        first.append(one.forward(torch.tensor([tail] * one.size, device=model.device), start)[:, -1])
-        shift.append(one.shift + start + len(tail))
-        if len(groups) == 1:  # nothing to join: the batch goes on as it is (sliding-window layers cannot be split)
-            one.shift = shift[0]
-            return one, first[0]
-        fed += one.split()
-    batch = Batch(model, fed)
-    batch.shift = torch.cat(shift)
-    return batch, torch.cat(first)
+    """Each group's tail fed to its caches `(caches, tail, start)`, then every row in one right-padded batch whose
+    positions continue per row (`Batch.shift`: feeding at position p puts a row at start + len(tail) + p, plus its own
+    shift if re-rotated); and each row's last logits (rows, V), which predict its first new token. Groups whose tails
+    are equally long are fed in one pass (each row at its own positions); when tails differ, each length's rows are
+    split into caches of their own (`Batch.split`) and joined into one batch after. Rows are in the groups' order."""
+    lengths = {}
+    for n, (_, tail, _) in enumerate(groups):
+        lengths.setdefault(len(tail), []).append(n)
+    fed, logits = {}, {}  # group -> its rows' batch (one per tail length) or split caches, and its rows' logits
+    for length, members in lengths.items():
+        one = Batch(model, [c for n in members for c in groups[n][0]])
+        sizes = [len(groups[n][0]) for n in members]
+        one.shift = one.shift + torch.tensor([groups[n][2] for n in members], device=model.device).repeat_interleave(
+            torch.tensor(sizes, device=model.device))
+        ids = torch.tensor([groups[n][1] for n, size in zip(members, sizes) for _ in range(size)], device=model.device)
+        out = one.forward(ids, 0)[:, -1]
+        one.shift = one.shift + length
+        if len(lengths) == 1:  # nothing to join: the batch goes on as it is (sliding-window layers cannot be split)
+            return one, out
+        rows, shifts, start = one.split(), one.shift, 0
+        for n, size in zip(members, sizes):
+            fed[n] = (rows[start : start + size], shifts[start : start + size])
+            logits[n] = out[start : start + size]
+            start += size
+    batch = Batch(model, [c for n in range(len(groups)) for c in fed[n][0]])
+    batch.shift = torch.cat([fed[n][1] for n in range(len(groups))])
+    return batch, torch.cat([logits[n] for n in range(len(groups))])
 
 
 def stepwise(cache: DynamicCache) -> bool:
@@ -183,7 +194,7 @@ def teacher_forced(
     needs only the KL and NLL of each row, and the reference row's log-probabilities: `forced_divergence`, which
     keeps no (B, len(path), V) block."""
     out = choice = None
-    for group, logits in _forced_logits(model, caches, tail, path, start, stream):
+    for group, logits, _ in _forced_logits(model, caches, tail, path, start, stream):
         if out is None:
             out = torch.empty(len(caches), *logits.shape[1:], dtype=torch.float32, device=logits.device)
             choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
@@ -197,15 +208,20 @@ def teacher_forced(
 @record_function("kvlab.teacher_forced")
 def forced_divergence(
     model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, ref: int, stream: bool = True,
+    resume: list | None = None,
 ) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
     """`divergence(teacher_forced(...)[0], path, ref)`, bitwise the same, with the reference row's log-probabilities
     (len(path), V) and every row's greedy choice (B, len(path)), without the (B, len(path), V) float32 block: each
     row's logits are normalized in one reused (len(path), V) scratch block and reduced to its KL and NLL there (at 25
     rows × 128 tokens of Qwen's 152K vocabulary the block is 1.9 GB, and writing a fresh one took 1.8 s per prose
-    sample, most of it the kernel handing out new pages; the same work in a reused block takes 0.1 s)."""
+    sample, most of it the kernel handing out new pages; the same work in a reused block takes 0.1 s). `resume`: a list,
+    to which the dense rows' pass is appended as (their indices, their batch), its caches then holding `tail` +
+    `path[:-1]` (`verify` resumes the rows that leave `path` from there)."""
     kl, nll = [None] * len(caches), [None] * len(caches)
     logp_ref = p_ref = choice = None
-    for group, logits in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
+    for group, logits, batch in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
+        if resume is not None and not stepwise(caches[group[0]]):
+            resume.append((group, batch))
         with record_function("kvlab.divergence"):
             if logp_ref is None:
                 logp_ref = torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
@@ -218,14 +234,14 @@ def forced_divergence(
                 _log_softmax_into(row, logits[j])
                 kl[i], nll[i] = _kl_terms(logp_ref, p_ref, row, scratch), -row.gather(-1, target)[:, 0]
             choice[group] = greedy(logits)
-        del logits
+        del logits, batch
     return _divergence_rows(torch.stack(kl).clamp_min(0), torch.stack(nll), path), logp_ref, choice
 
 
 def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool,
                    first: int | None = None):
-    """Per kind of feeding (see `teacher_forced`): the rows fed that way and their logits (rows, len(path), V) along
-    `path`. The kind holding row `first` comes first."""
+    """Per kind of feeding (see `teacher_forced`): the rows fed that way, their logits (rows, len(path), V) along
+    `path`, and their batch after the pass. The kind holding row `first` comes first."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
@@ -251,8 +267,8 @@ def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: lis
             steps = [batch.forward(ids[:, :first_path], start)]
             steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
             logits = torch.cat(steps, dim=1)
-        yield group, logits
-        logits = steps = None  # freed before the next kind's pass, once the caller lets go of its own
+        yield group, logits, batch
+        logits = steps = batch = None  # freed before the next kind's pass, once the caller lets go of its own
 
 
 def _log_softmax_into(out: torch.Tensor, logits: torch.Tensor) -> None:
@@ -273,8 +289,11 @@ def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
 @dataclass
 class Diverged:
     """Rows of one verified turn that left the reference's answer and still decode: their indices, whether they are
-    stepwise (quantized, H2O: fed from the tail) or dense (fed the prefix of the reference's answer they all share,
-    `prefix`), and their `decode_groups` group (caches, tail + prefix, start, cap)."""
+    stepwise (quantized, H2O: fed from the tail), the answer tokens they already have (`prefix`), and their
+    `decode_groups` group (caches, tokens still to feed, start, cap). A dense row resumes from the teacher-forced
+    pass: its cache holds the tail and the reference's answer up to where the row left it, and it is fed the token
+    it chose there (`prefix` ends with it); models whose batches cannot be split into rows feed every dense row the
+    prefix of the reference's answer they all share instead."""
 
     rows: list[int]
     stepwise: bool
@@ -286,8 +305,8 @@ class Diverged:
 class Verified:
     """verified_decode's result: answers, each row's KL and NLL along the reference's answer (`divergence`'s columns),
     the reference row's log-probabilities there (len(path), V), first divergences, and the seconds spent decoding
-    step by step and in the teacher-forced pass. From `verify`, `diverged` lists the rows still to decode (their
-    answers are the reference's until `settle`)."""
+    step by step and in the teacher-forced pass. From `verify`, `diverged` lists the rows still to decode (until
+    `settle`, their answers are the reference's, or a dense row's answer so far: up to the token it chose instead)."""
 
     answers: list[list[int]]
     divergence: list[dict]
@@ -317,11 +336,13 @@ def verify(
     position of it (EOS included) produces exactly that answer (tests/test_engine.py checks the answers against
     decoding every row). So the reference row (`ref`) is decoded alone;
     one teacher-forced pass along its answer (which the KL needs anyway) gives every row's choice at every
-    position; only rows that diverge are decoded: dense ones from the prefix they all share (fed in one pass),
-    stepwise ones (quantized, H2O) from the tail, each kind as one batch (one quantized or H2O row would turn every
-    layer of a batch into per-row updates, `Rows`, and such rows must be fed token by token). The result holds each
-    row's KL and NLL along the reference's answer and the reference's log-probabilities there (`forced_divergence`:
-    the teacher-forced pass), and each row's first
+    position; only rows that diverge are decoded. A dense row resumes where it left the answer: the pass already
+    holds its cache after the tail and the answer's first d tokens, and its choice at d (`Batch.split` cuts each row
+    there), so it is fed that one token and decodes on, with no tail fed again; it is done at once if that token
+    ends its answer (EOS or the cap). Stepwise rows (quantized, H2O) are fed the tail again and decode from there,
+    as one batch (one quantized or H2O row would turn every layer of a batch into per-row updates, `Rows`, and such
+    rows must be fed token by token). The result holds each row's KL and NLL along the reference's answer and the
+    reference's log-probabilities there (`forced_divergence`: the teacher-forced pass), and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
     the reference's answer when it was already decoded (`decode_references`, with other prompts' references)."""
@@ -329,19 +350,32 @@ def verify(
     if path is None:
         (path,), _ = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
     t1 = time.perf_counter()
-    div, logp_ref, choice = forced_divergence(model, caches, tail, path, start, ref)
+    passes = []
+    div, logp_ref, choice = forced_divergence(model, caches, tail, path, start, ref, resume=passes)
     first = first_divergence(choice, path)
     t2 = time.perf_counter()
+    answers = [list(path) for _ in caches]
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
     steps = [i for i in diverged if stepwise(caches[i])]
     dense = [i for i in diverged if i not in steps]
-    parts = []
-    for group, shared, is_stepwise in ((dense, min((first[i] for i in dense), default=0), False), (steps, 0, True)):
-        if group:
-            prefix = list(path[:shared])
-            parts.append(Diverged(group, is_stepwise, prefix,
-                                  ([caches[i] for i in group], tail + prefix, start, max_new_tokens - shared)))
-    return Verified([list(path) for _ in caches], div, logp_ref, first, t1 - t0, t2 - t1, parts)
+    parts = [] if not steps else [Diverged(steps, True, [], ([caches[i] for i in steps], tail, start, max_new_tokens))]
+    resumable = [(group, batch) for group, batch in passes if batch.splittable()]
+    if dense and resumable:
+        (group, batch), eos = resumable[0], stop_ids(model)
+        local = [group.index(i) for i in dense]
+        rows = batch.split(local, [len(tail) + first[i] for i in dense])
+        for i, r, cache in zip(dense, local, rows):
+            d, token = first[i], int(choice[i, first[i]])
+            answers[i] = path[:d] + [token]
+            if token not in eos and d + 1 < max_new_tokens:
+                parts.append(Diverged([i], False, answers[i], ([cache], [token], int(batch.shift[r]) + start + len(tail) + d,
+                                                               max_new_tokens - d - 1)))
+    elif dense:  # sliding-window layers: fed the prefix they all share, from the tail
+        shared = min(first[i] for i in dense)
+        prefix = list(path[:shared])
+        parts.append(Diverged(dense, False, prefix, ([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared)))
+    del passes, resumable
+    return Verified(answers, div, logp_ref, first, t1 - t0, t2 - t1, parts)
 
 
 @torch.no_grad()
@@ -350,13 +384,31 @@ def verified_decode(
     path: list[int] | None = None,
 ) -> Verified:
     """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer (`verify`,
-    then its diverged rows decoded, each kind as one batch)."""
+    then its diverged rows decoded, each kind as one batch: `decode_diverged`)."""
     run = verify(model, caches, ref, tail, start, max_new_tokens, path)
-    t0 = time.perf_counter()
-    with record_function("kvlab.decode_diverged"):
-        decoded = [decode_groups(model, [part.group])[0] for part in run.diverged]
-    run.settle(decoded, time.perf_counter() - t0)
+    decode_diverged(model, [run])
     return run
+
+
+@torch.no_grad()
+@record_function("kvlab.decode_diverged")
+def decode_diverged(model, runs: list[Verified]) -> None:
+    """Decode the rows that left their reference's answer in these verified turns (of several samples): every dense
+    group in one batch, every stepwise group in another (`decode_groups`: each step reads the weights once for all),
+    and settle each turn, its decode seconds the share of its rows in its kind's batch."""
+    parts = [(run, part) for run in runs for part in run.diverged]
+    answers, seconds = {}, {}
+    for kind in (False, True):
+        chosen = [(run, part) for run, part in parts if part.stepwise == kind]
+        if not chosen:
+            continue
+        t0 = time.perf_counter()
+        decoded = decode_groups(model, [part.group for _, part in chosen])
+        each = (time.perf_counter() - t0) / sum(len(part.rows) for _, part in chosen)
+        for (_, part), rest in zip(chosen, decoded):
+            answers[id(part)], seconds[id(part)] = rest, each * len(part.rows)
+    for run in runs:
+        run.settle([answers[id(part)] for part in run.diverged], sum(seconds[id(part)] for part in run.diverged))
 
 
 @torch.no_grad()

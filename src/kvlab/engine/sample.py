@@ -8,11 +8,10 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from torch.profiler import record_function
 
 from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.decode import (
-    Verified, decode_groups, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, stepped_noise,
+    Verified, decode_diverged, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, stepped_noise,
     verify,
 )
 from kvlab.engine.prefill import Prefilled, prefill
@@ -98,7 +97,7 @@ def evaluate_samples(
     The full cache's answers of every sample, compression and turn are decoded first, as one batch
     (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache,
     and `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows
-    that leave it: those of every sample are decoded together at the end, one batch per kind (`_decode_diverged`;
+    that leave it: those of every sample are decoded together at the end, one batch per kind (`decode.decode_diverged`;
     at most DIVERGED_BYTES of their caches wait: beyond, the samples so far are decoded then). With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
@@ -137,7 +136,7 @@ def evaluate_samples(
 
     def settle():  # decode every waiting turn's diverged rows in one batch per kind, then make the rows, in order
         nonlocal rows, owner, waiting, runs, held
-        _decode_diverged(model, runs)
+        decode_diverged(model, runs)
         for i, makers in waiting:
             before = len(pending)
             found = [row for make in makers for row in make()]
@@ -179,26 +178,6 @@ DIVERGED_BYTES = 1 << 30  # diverged rows' caches (stored bytes) that wait for o
 def cache_bytes(cache) -> int:
     """Bytes a cache's layers store (kvcache.layer_nbytes)."""
     return sum(layer_nbytes(layer) for layer in cache.layers)
-
-
-@record_function("kvlab.decode_diverged")
-def _decode_diverged(model, runs: list[Verified]) -> None:
-    """Decode the rows that left their reference's answer in these verified turns (of several samples): every dense
-    group in one batch, every stepwise group in another (`decode_groups`: each step reads the weights once for all),
-    and settle each turn, its decode seconds the share of its rows in its kind's batch."""
-    parts = [(run, part) for run in runs for part in run.diverged]
-    answers, seconds = {}, {}
-    for kind in (False, True):
-        chosen = [(run, part) for run, part in parts if part.stepwise == kind]
-        if not chosen:
-            continue
-        t0 = time.perf_counter()
-        decoded = decode_groups(model, [part.group for _, part in chosen])
-        each = (time.perf_counter() - t0) / sum(len(part.rows) for _, part in chosen)
-        for (_, part), rest in zip(chosen, decoded):
-            answers[id(part)], seconds[id(part)] = rest, each * len(part.rows)
-    for run in runs:
-        run.settle([answers[id(part)] for part in run.diverged], sum(seconds[id(part)] for part in run.diverged))
 
 
 def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
