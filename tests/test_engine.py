@@ -927,15 +927,16 @@ def test_a_split_row_cut_back_is_the_row_fed_less(tiny, sharp, sample):
 
 def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monkeypatch):
     """verify: a dense row that leaves the reference's answer at d resumes from the teacher-forced pass, fed only the
-    token it chose there, at position start + len(tail) + d (no tail fed again), and every row's answer is the one
-    decoding it step by step gives. Where the pass cannot be split into rows (sliding-window models), the dense rows
-    are fed the shared prefix from the tail instead, with the same answers."""
+    token it chose there, at position start + len(tail) + d (no tail fed again); a quantized row is fed the tail, then
+    the answer's first d tokens streamed in one pass; every row's answer is the one decoding it step by step gives.
+    Where the pass cannot be split into rows (sliding-window models), the dense rows are fed the shared prefix from
+    the tail instead, and where rows cannot stream in one pass they are fed one token per pass: the same answers."""
     from kvlab.engine import verify
     from kvlab.engine.decode import decode_diverged
 
     methods = {name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}
-    resumed = 0
-    for seed in (1, 2):
+    resumed, streamed = 0, 0
+    for seed in (1, 2, 3):
         grid = variants(build(methods), [0.5, 0.1])
         (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tiny[1], 600)
         base = prefill(sharp, s.prompt.context)
@@ -945,7 +946,10 @@ def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monk
         run = verify(sharp, caches, 0, tail, base.length, 12)
         for part in run.diverged:
             if part.stepwise:
-                assert part.group[1] == tail and part.group[2] == base.length
+                assert part.group.tail == tail and part.group.start == base.length
+                assert all(list(part.group.streamed) == part.prefix == every[i][: run.first[i]] for i in part.rows)
+                assert part.group.cap == 12 - len(part.prefix)
+                streamed += len(part.prefix) > 0
                 continue
             (i,) = part.rows
             d = run.first[i]
@@ -958,10 +962,11 @@ def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monk
             m.setattr(Batch, "splittable", lambda self: False)
             fallback = verify(sharp, caches, 0, tail, base.length, 12)
             dense = [part for part in fallback.diverged if not part.stepwise]
-            assert all(part.group[1] == tail + part.prefix for part in dense)
+            assert all(part.group.tail == tail + part.prefix for part in dense)
+            m.setattr(Batch, "streamable", lambda self: False)  # the streamed tokens one per pass
             decode_diverged(sharp, [fallback])
         assert fallback.answers == every
-    assert resumed >= 2
+    assert resumed >= 2 and streamed >= 1
 
 
 def test_groups_with_tails_of_one_length_are_fed_in_one_pass(tiny, sharp, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch.profiler import record_function
@@ -93,35 +94,58 @@ def joinable(model, caches: list[DynamicCache]) -> bool:
     return not any(is_sliding(model, i) for i in range(len(caches[0].layers))) if caches else True
 
 
+class Group(NamedTuple):
+    """Caches of one prompt decoded together (`decode_groups`): the tail fed to them in one pass at original positions
+    start…, the most tokens each decodes, and `streamed`: tokens of a known answer fed after the tail in one pass read
+    as if fed one token at a time (`Batch.forward(stream=True)`; one token per pass where the rows cannot stream),
+    where a quantized row resumes decoding; they are not part of what the group returns nor of its cap."""
+
+    caches: list[DynamicCache]
+    tail: list[int]
+    start: int
+    cap: int
+    streamed: tuple[int, ...] = ()
+
+
 @torch.no_grad()
-def decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int, int]]) -> list[list[list[int]]]:
-    """Greedy answers of several groups of caches, each `(caches, tail, start, cap)`, as `greedy_decode(model, caches,
-    tail, start, cap)` gives them: each group's tail is fed to its caches in one pass, then every row of every group
-    decodes in one batch, each at its own positions until EOS or its group's cap, so each step reads the weights
+def decode_groups(model, groups: list[Group | tuple]) -> list[list[list[int]]]:
+    """Greedy answers of several groups of caches (`Group`, or `(caches, tail, start, cap)`), as `greedy_decode(model,
+    caches, tail, start, cap)` gives them: each group's tail is fed to its caches in one pass, then every row of every
+    group decodes in one batch, each at its own positions until EOS or its group's cap, so each step reads the weights
     once for all of them (a one-token step at a few rows is bound by those reads, not by its arithmetic). Groups that
     cannot join (`joinable`: models with sliding-window layers) decode one after another."""
     return _decode_groups(model, groups)[0]
 
 
-def _decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int, int]],
+def _decode_groups(model, groups: list[Group | tuple],
                    keep: set[int] = frozenset()) -> tuple[list[list[list[int]]], dict[int, torch.Tensor]]:
     """`decode_groups`' answers, and for the rows in `keep` (indices over every group's rows, in order) the logits
     (len(answer), V) each of their steps chose its token from."""
+    groups = [Group(*g) for g in groups]
     kept = {i: [] for i in keep}
     eos = stop_ids(model)
-    if len(groups) < 2 or not all(joinable(model, caches) for caches, *_ in groups):
-        answers, offset = [], 0
-        for caches, tail, start, cap in groups:
-            mine = {i - offset: rows for i, rows in kept.items() if offset <= i < offset + len(caches)}
-            answers.append(_decode(model, caches, tail, start, cap, eos, mine))
-            offset += len(caches)
-        return answers, {i: torch.stack(rows) for i, rows in kept.items()}
-    batch, logits = _joined(model, [(caches, tail, start) for caches, tail, start, _ in groups])
-    caps = [cap for caches, _, _, cap in groups for _ in caches]
+    together = len(groups) > 1 and all(joinable(model, g.caches) for g in groups)
+    out, offset = [], 0
+    for part in [groups] if together else [[g] for g in groups]:
+        rows = sum(len(g.caches) for g in part)
+        batch, logits = _joined(model, part)
+        out += _continued(batch, logits, [g.cap for g in part for _ in g.caches], eos,
+                          {i - offset: k for i, k in kept.items() if offset <= i < offset + rows})
+        offset += rows
+    answers, start = [], 0
+    for g in groups:
+        answers.append(out[start : start + len(g.caches)])
+        start += len(g.caches)
+    return answers, {i: torch.stack(rows) for i, rows in kept.items()}
+
+
+def _continued(batch: Batch, logits: torch.Tensor, caps: list[int], eos: set[int], kept: dict[int, list]) -> list[list[int]]:
+    """Each row's answer from `logits` (rows, V), which predict its first new token, decoding on in `batch` until EOS
+    or the row's cap; `kept` as in `_greedy`."""
     first = greedy(logits)
     for i, rows in kept.items():
         rows.append(logits[i])
-    out = [[t] for t in first.tolist()]
+    out = [[t] if cap > 0 else [] for t, cap in zip(first.tolist(), caps)]
     going = [i for i, t in enumerate(first.tolist()) if t not in eos and caps[i] > 1]
     if going:
         if len(going) < batch.size:
@@ -130,36 +154,39 @@ def _decode_groups(model, groups: list[tuple[list[DynamicCache], list[int], int,
                        {row: kept[i] for row, i in enumerate(going) if i in kept})
         for i, more in zip(going, rest):
             out[i] += more
-    answers, start = [], 0
-    for caches, *_ in groups:
-        answers.append(out[start : start + len(caches)])
-        start += len(caches)
-    return answers, {i: torch.stack(rows) for i, rows in kept.items()}
+    return out
 
 
-def _joined(model, groups: list[tuple[list[DynamicCache], list[int], int]]) -> tuple[Batch, torch.Tensor]:
-    """Each group's tail fed to its caches `(caches, tail, start)`, then every row in one right-padded batch whose
-    positions continue per row (`Batch.shift`: feeding at position p puts a row at start + len(tail) + p, plus its own
-    shift if re-rotated); and each row's last logits (rows, V), which predict its first new token. Groups whose tails
-    are equally long are fed in one pass (each row at its own positions); when tails differ, each length's rows are
-    split into caches of their own (`Batch.split`) and joined into one batch after. Rows are in the groups' order."""
+def _joined(model, groups: list[Group]) -> tuple[Batch, torch.Tensor]:
+    """Each group's tail fed to its caches (and its `streamed` tokens after it), then every row in one right-padded
+    batch whose positions continue per row (`Batch.shift`: feeding at position p puts a row at start + len(tail) +
+    len(streamed) + p, plus its own shift if re-rotated); and each row's last logits (rows, V), which predict its
+    first new token. Groups whose tails (and streamed tokens) are equally long are fed in one pass, each row at its
+    own positions; across lengths, each length's rows are split into caches of their own (`Batch.split`) and joined
+    into one batch after. Rows are in the groups' order."""
     lengths = {}
-    for n, (_, tail, _) in enumerate(groups):
-        lengths.setdefault(len(tail), []).append(n)
-    fed, logits = {}, {}  # group -> its rows' batch (one per tail length) or split caches, and its rows' logits
-    for length, members in lengths.items():
-        one = Batch(model, [c for n in members for c in groups[n][0]])
-        sizes = [len(groups[n][0]) for n in members]
-        one.shift = one.shift + torch.tensor([groups[n][2] for n in members], device=model.device).repeat_interleave(
-            torch.tensor(sizes, device=model.device))
-        ids = torch.tensor([groups[n][1] for n, size in zip(members, sizes) for _ in range(size)], device=model.device)
-        out = one.forward(ids, 0)[:, -1]
-        one.shift = one.shift + length
+    for n, g in enumerate(groups):
+        lengths.setdefault((len(g.tail), len(g.streamed)), []).append(n)
+    fed, logits = {}, {}  # group -> its split caches and positions, and its rows' logits
+    for (length, streamed), members in lengths.items():
+        one = Batch(model, [c for n in members for c in groups[n].caches])
+        sizes = torch.tensor([len(groups[n].caches) for n in members], device=model.device)
+        one.shift = one.shift + torch.tensor([groups[n].start for n in members], device=model.device).repeat_interleave(sizes)
+        rows = [n for n in members for _ in groups[n].caches]
+        out = one.forward(torch.tensor([groups[n].tail for n in rows], device=model.device), 0)[:, -1]
+        if streamed:
+            ids = torch.tensor([groups[n].streamed for n in rows], device=model.device)
+            if one.streamable():
+                out = one.forward(ids, length, stream=True)[:, -1]
+            else:
+                for j in range(streamed):
+                    out = one.forward(ids[:, j : j + 1], length + j)[:, -1]
+        one.shift = one.shift + length + streamed
         if len(lengths) == 1:  # nothing to join: the batch goes on as it is (sliding-window layers cannot be split)
             return one, out
-        rows, shifts, start = one.split(), one.shift, 0
-        for n, size in zip(members, sizes):
-            fed[n] = (rows[start : start + size], shifts[start : start + size])
+        caches, start = one.split(), 0
+        for n, size in zip(members, sizes.tolist()):
+            fed[n] = (caches[start : start + size], one.shift[start : start + size])
             logits[n] = out[start : start + size]
             start += size
     batch = Batch(model, [c for n in range(len(groups)) for c in fed[n][0]])
@@ -289,16 +316,18 @@ def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
 @dataclass
 class Diverged:
     """Rows of one verified turn that left the reference's answer and still decode: their indices, whether they are
-    stepwise (quantized, H2O: fed from the tail), the answer tokens they already have (`prefix`), and their
-    `decode_groups` group (caches, tokens still to feed, start, cap). A dense row resumes from the teacher-forced
-    pass: its cache holds the tail and the reference's answer up to where the row left it, and it is fed the token
-    it chose there (`prefix` ends with it); models whose batches cannot be split into rows feed every dense row the
-    prefix of the reference's answer they all share instead."""
+    stepwise (quantized, H2O), the answer tokens they already have (`prefix`), and their `decode_groups` `Group`. A
+    dense row resumes from the teacher-forced pass: its cache holds the tail and the reference's answer up to where the
+    row left it, and it is fed the token it chose there (`prefix` ends with it); models whose batches cannot be split
+    into rows feed every dense row the prefix of the reference's answer they all share instead. Stepwise rows are fed
+    the tail from their compressed caches, then, where they stream (kvlab's quantized layers), the reference's answer
+    up to where they left it in one streamed pass (`prefix`), and decode from there; rows that cannot stream (H2O)
+    decode from the tail."""
 
     rows: list[int]
     stepwise: bool
     prefix: list[int]
-    group: tuple[list[DynamicCache], list[int], int, int]
+    group: Group
 
 
 @dataclass
@@ -339,9 +368,10 @@ def verify(
     position; only rows that diverge are decoded. A dense row resumes where it left the answer: the pass already
     holds its cache after the tail and the answer's first d tokens, and its choice at d (`Batch.split` cuts each row
     there), so it is fed that one token and decodes on, with no tail fed again; it is done at once if that token
-    ends its answer (EOS or the cap). Stepwise rows (quantized, H2O) are fed the tail again and decode from there,
-    as one batch (one quantized or H2O row would turn every layer of a batch into per-row updates, `Rows`, and such
-    rows must be fed token by token). The result holds each row's KL and NLL along the reference's answer and the
+    ends its answer (EOS or the cap). Stepwise rows (quantized, H2O) cannot be cut back: they are fed the tail again,
+    then quantized rows the answer up to where they left it in one pass read as if fed token by token (`Group`'s
+    `streamed`), and decode from there, as one batch apart from dense rows (one quantized or H2O row would turn every
+    layer of a batch into per-row updates, `Rows`). The result holds each row's KL and NLL along the reference's answer and the
     reference's log-probabilities there (`forced_divergence`: the teacher-forced pass), and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
@@ -358,7 +388,12 @@ def verify(
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
     steps = [i for i in diverged if stepwise(caches[i])]
     dense = [i for i in diverged if i not in steps]
-    parts = [] if not steps else [Diverged(steps, True, [], ([caches[i] for i in steps], tail, start, max_new_tokens))]
+    parts = []
+    for resume in sorted({first[i] if streams(caches[i]) else 0 for i in steps}):  # rows that stream share their point
+        rows = [i for i in steps if (first[i] if streams(caches[i]) else 0) == resume]
+        prefix = list(path[:resume])
+        parts.append(Diverged(rows, True, prefix, Group([caches[i] for i in rows], tail, start, max_new_tokens - resume,
+                                                        tuple(prefix))))
     resumable = [(group, batch) for group, batch in passes if batch.splittable()]
     if dense and resumable:
         (group, batch), eos = resumable[0], stop_ids(model)
@@ -368,12 +403,12 @@ def verify(
             d, token = first[i], int(choice[i, first[i]])
             answers[i] = path[:d] + [token]
             if token not in eos and d + 1 < max_new_tokens:
-                parts.append(Diverged([i], False, answers[i], ([cache], [token], int(batch.shift[r]) + start + len(tail) + d,
-                                                               max_new_tokens - d - 1)))
+                parts.append(Diverged([i], False, answers[i], Group([cache], [token], int(batch.shift[r]) + start + len(tail) + d,
+                                                                    max_new_tokens - d - 1)))
     elif dense:  # sliding-window layers: fed the prefix they all share, from the tail
         shared = min(first[i] for i in dense)
         prefix = list(path[:shared])
-        parts.append(Diverged(dense, False, prefix, ([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared)))
+        parts.append(Diverged(dense, False, prefix, Group([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared)))
     del passes, resumable
     return Verified(answers, div, logp_ref, first, t1 - t0, t2 - t1, parts)
 
@@ -423,7 +458,7 @@ def stepped(model, requests: list[tuple[DynamicCache, list[int], list[int], int]
         return [out for request in requests for out in stepped(model, [request])]
     if any(not tail or not path for _, tail, path, _ in requests):
         raise ValueError("stepping a path needs a tail token after the cache and at least one path token")
-    batch, first = _joined(model, [([cache], tail, start) for cache, tail, _, start in requests])
+    batch, first = _joined(model, [Group([cache], tail, start, len(path)) for cache, tail, path, start in requests])
     paths = [path for _, _, path, _ in requests]
     logits = [[f] for f in first]
     live = list(range(len(requests)))
