@@ -991,3 +991,57 @@ def test_groups_with_tails_of_one_length_are_fed_in_one_pass(tiny, sharp, monkey
     passes.clear()
     assert decode_groups(sharp, mixed) == expected
     assert sorted(passes[:2]) == [(2, 4), (4, 6)] and all(shape[1] == 1 for shape in passes[2:])
+
+
+@pytest.mark.parametrize("press", ["SnapKVPress", "PyramidKVPress", "KnormPress", "TOVAPress", "ExpectedAttentionPress"])
+def test_a_prefill_scores_each_layer_once_for_every_budget(tiny, sample, press, monkeypatch):
+    """A ratio-free kvpress scorer (compress.RATIO_FREE_SCORERS) scores each layer of a prefill once for all its
+    budgets, and every budget's cache is bitwise the one compressing a fresh prefill alone gives (scores anew)."""
+    import kvpress
+
+    from kvlab.engine.compress import RATIO_FREE_SCORERS
+
+    assert press in RATIO_FREE_SCORERS
+    model = tiny[0]
+    kwargs = {"window_size": 16} if press in ("SnapKVPress", "PyramidKVPress") else {}
+    grid = [Variant(press, "kvpress", b, {"kind": "kvpress", "press": press, "kwargs": kwargs}) for b in (0.75, 0.5, 0.25)]
+    alone = [compress(model, prefill(model, sample.prompt.context), v) for v in grid]
+    calls, own = [], getattr(kvpress, press).score
+    monkeypatch.setattr(getattr(kvpress, press), "score", lambda self, *args: calls.append(1) or own(self, *args))
+    base = prefill(model, sample.prompt.context)
+    together = [compress(model, base, v) for v in grid]
+    assert len(calls) == len(base.cache.layers)
+    for mine, theirs in zip(together, alone):
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(mine.layers, theirs.layers))
+    assert len({sum(layer.keys.shape[-2] for layer in mine.layers) for mine in together}) == 3
+
+
+def test_layers_compressed_alike_share_one_mask(tiny, sample):
+    """Batch.alike: layers whose rows hold the same lengths share one mask per pass (every layer of a uniform press),
+    layers of per-layer budgets (PyramidKV) where lengths differ and layers masked per head (AdaKV) keep their own,
+    and each layer's shared mask is bitwise its own; dropping rows regroups them."""
+    model = tiny[0]
+    base = prefill(model, sample.prompt.context)
+    uniform = Batch(model, [compress(model, base, Variant("s", "kvpress", 0.5, SNAP)),
+                            compress(model, base, Variant("t", "kvpress", 0.25, STREAM))])
+    assert set(uniform.alike()) == {0}
+    pyramid = Variant("p", "kvpress", 0.5, {"kind": "kvpress", "press": "PyramidKVPress", "kwargs": {"window_size": 16}})
+    ada = Variant("a", "kvpress", 0.5, {**SNAP, "wrapper": "AdaKVPress"})
+    caches = [compress(model, base, v) for v in (pyramid, Variant("s", "kvpress", 0.5, SNAP), ada)]
+    lengths = [layer.keys.shape[-2] for layer in caches[0].layers]
+    assert len(set(lengths)) > 1
+    def shared_masks_are_their_own(batch):
+        first = [idx if batch.masked[idx] is not None else next(
+            j for j in range(idx + 1) if batch.masked[j] is None and batch.padded[j] == batch.padded[idx]
+            and torch.equal(batch.lengths[j], batch.lengths[idx])) for idx in range(len(batch.padded))]
+        assert batch.alike() == first
+        for n in (1, 3):
+            for idx, same in enumerate(batch.alike()):
+                mine, shared = batch.full_mask(idx, n, model.dtype), batch.full_mask(same, n, model.dtype)
+                assert (mine is None and shared is None) or torch.equal(mine, shared)
+
+    for batch, distinct in ((Batch(model, caches[:2]), len(set(lengths))), (Batch(model, caches), len(lengths))):
+        assert len(set(batch.alike())) == distinct
+        shared_masks_are_their_own(batch)
+        batch.keep([0])  # fewer rows: masks of one row, regrouped
+        shared_masks_are_their_own(batch)

@@ -277,6 +277,7 @@ class Batch:
         self.shift = torch.tensor([c.position_shift if isinstance(c, KVCache) else 0 for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking
         self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
+        self._alike: list[int] | None = None  # see `alike`
 
     @property
     def size(self) -> int:
@@ -346,6 +347,18 @@ class Batch:
             if self.masked[idx] is not None:
                 self.masked[idx] = self.masked[idx].index_select(0, index)
         self.shift = self.shift.index_select(0, index)
+        self._alike = None
+
+    def alike(self) -> list[int]:
+        """Per layer, the first layer whose `full_mask` is the same: the same rows' lengths and width, and no entries
+        masked per head (layers that compressed alike: every layer of most presses). A pass builds one mask per
+        distinct layout instead of one per layer."""
+        if self._alike is None:
+            first = {}
+            self._alike = [first.setdefault(idx if self.masked[idx] is not None else
+                                            (self.padded[idx], tuple(self.lengths[idx].tolist())), idx)
+                           for idx in range(len(self.padded))]
+        return self._alike
 
     @record_function("kvlab.masks")
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -396,8 +409,15 @@ class Batch:
                 return layer.stream_mask(n, model.dtype, ids.device, heads)
             return None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads)
 
+        alike, made = self.alike(), {}
+
+        def dense_mask(idx):
+            if alike[idx] not in made:
+                made[alike[idx]] = self.full_mask(alike[idx], n, model.dtype)
+            return made[alike[idx]]
+
         masks = {
-            idx: rows_mask(layer) if isinstance(layer, Rows) else self.full_mask(idx, n, model.dtype)
+            idx: rows_mask(layer) if isinstance(layer, Rows) else dense_mask(idx)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
         }
         for layer in rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 
 import torch
@@ -18,6 +19,33 @@ from kvlab.methods import Variant, layer_budgets
 
 SERVICES = SimpleNamespace(prefill=prefill, self_information=self_information, shallow_copy=shallow_copy)  # lent to kinds
 
+# kvpress scorers whose `score` never reads `compression_ratio` (tests/test_engine.py checks it: equal scores at two
+# ratios), so the scores one prefill gives a layer serve every budget of the same press: each is computed once and
+# kept in the prefill's `shared` (kvpress computes them anew at every call, as a press that runs once per prefill
+# would). StreamingLLMPress's score does read the ratio.
+RATIO_FREE_SCORERS = ("SnapKVPress", "PyramidKVPress", "KnormPress", "TOVAPress", "ExpectedAttentionPress")
+
+
+def share_scores(press, shared: dict) -> None:
+    """Let `press`, and every press it wraps, whose class is in RATIO_FREE_SCORERS take a layer's scores from `shared`
+    when the same press settings (the ratio aside) scored the same keys before, and keep them there otherwise. Each
+    caller gets its own copy (AdaKVPress writes into the scores it is given)."""
+    stack = [press]
+    while stack:
+        p = stack.pop()
+        stack += [q for q in (getattr(p, "press", None), *getattr(p, "presses", ())) if q is not None]
+        if type(p).__name__ not in RATIO_FREE_SCORERS:
+            continue
+        settings = (type(p).__name__, repr([(f.name, getattr(p, f.name)) for f in fields(p) if f.name != "compression_ratio"]))
+
+        def score(module, hidden_states, keys, values, attentions, kwargs, own=p.score, settings=settings):
+            key = ("scores", settings, module.layer_idx, keys.data_ptr(), tuple(keys.shape))
+            if key not in shared:
+                shared[key] = own(module, hidden_states, keys, values, attentions, kwargs)
+            return shared[key].clone()
+
+        p.score = score
+
 
 @torch.no_grad()
 @record_function("kvlab.compress")
@@ -30,6 +58,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
     if press is not None:
         press.post_init_from_model(model)
+        share_scores(press, base.shared)
         cache_position = torch.arange(base.length, device=model.device)
         rotary = language_model(model).rotary_emb
         weights = variant.params.get("layer_budgets")  # calibrated per-layer weights: one budget per layer
