@@ -1045,3 +1045,19 @@ def test_layers_compressed_alike_share_one_mask(tiny, sample):
         shared_masks_are_their_own(batch)
         batch.keep([0])  # fewer rows: masks of one row, regrouped
         shared_masks_are_their_own(batch)
+
+
+def test_a_chunk_after_per_layer_budgets_stays_causal(tiny, sample):
+    """After a press that keeps a different number of tokens per layer (PyramidKV), the question fed as one chunk
+    gives the logits that feeding it one token at a time gives (fp32): each layer's mask is its own, so no question
+    token sees a later one in a layer shorter than the first (as a mask built from the first layer's length would)."""
+    model = tiny[0]
+    base = prefill(model, sample.prompt.context)
+    pyramid = Variant("p", "kvpress", 0.5, {"kind": "kvpress", "press": "PyramidKVPress", "kwargs": {"window_size": 16}})
+    cache = compress(model, base, pyramid)
+    assert len({layer.keys.shape[-2] for layer in cache.layers}) > 1
+    tail = sample.prompt.question + sample.prompt.suffix
+    chunk = Batch(model, [cache]).forward(torch.tensor([tail]), base.length, logits_to_keep=len(tail))[0]
+    steps = Batch(model, [cache])
+    one = torch.cat([steps.forward(torch.tensor([[t]]), base.length + i)[0] for i, t in enumerate(tail)])
+    torch.testing.assert_close(chunk, one, rtol=0, atol=1e-4)

@@ -18,6 +18,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "variant and mode (aware: the question inside the compressed context). Both produce answers only "
         "here (the engine computes no KL from its pass). The agnostic-only columns compare that mode "
         "alone. Agreement is the fraction of identical answers; in the aware mode the pipeline tokenizes "
-        "context and question as one string, so a token at their boundary may differ.</p>"
+        "context and question as one string, so a token at their boundary may differ. Where a press keeps a "
+        "different number of tokens per layer (PyramidKV), the pipeline's decoding (transformers' own) builds "
+        "the causal mask of the question's tokens from the first layer's length, so in every shorter layer each "
+        "question token also sees the question's later tokens; the engine masks each layer on its own (tested: "
+        "the question fed at once equals feeding it token by token), so their answers may differ there.</p>"
         + table(q["engine_vs_pipeline"])
     )
