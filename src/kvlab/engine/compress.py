@@ -19,10 +19,11 @@ from kvlab.methods import Variant, layer_budgets
 
 SERVICES = SimpleNamespace(prefill=prefill, self_information=self_information, shallow_copy=shallow_copy)  # lent to kinds
 
-# kvpress scorers whose `score` never reads `compression_ratio` (tests/test_engine.py checks it: equal scores at two
-# ratios), so the scores one prefill gives a layer serve every budget of the same press: each is computed once and
-# kept in the prefill's `shared` (kvpress computes them anew at every call, as a press that runs once per prefill
-# would). StreamingLLMPress's score does read the ratio.
+# kvpress scorers whose `score` never reads `compression_ratio`, so the scores one prefill gives a layer serve every
+# budget of the same press: each is computed once and kept in the prefill's `shared` (kvpress computes them anew at
+# every call, as a press that runs once per prefill would). tests/test_engine.py checks each: one score call per layer
+# for three budgets, and every budget's cache bitwise what compressing a fresh prefill gives. StreamingLLMPress's
+# score does read the ratio.
 RATIO_FREE_SCORERS = ("SnapKVPress", "PyramidKVPress", "KnormPress", "TOVAPress", "ExpectedAttentionPress")
 
 

@@ -36,14 +36,9 @@ def greedy_decode(
     Positions continue from the uncompressed prompt length, as in kvpress: evicted entries keep the
     RoPE rotation they were cached with. A re-rotated cache (KeyRerotationPress) continues at its kept length.
     """
-    return _decode(model, caches, tail, start, max_new_tokens, stop_ids(model) if stop else set())
-
-
-def _decode(model, caches: list[DynamicCache], tail: list[int], start: int, cap: int, eos: set[int],
-            kept: dict[int, list] | None = None) -> list[list[int]]:
-    """`greedy_decode` of one batch of caches with stop tokens `eos`; `kept` as in `_greedy`."""
     batch = Batch(model, caches)
-    return _greedy(batch, torch.tensor([tail] * batch.size, device=model.device), start, cap, eos, kept)
+    return _greedy(batch, torch.tensor([tail] * batch.size, device=model.device), start, max_new_tokens,
+                   stop_ids(model) if stop else set())
 
 
 def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int],
@@ -389,12 +384,13 @@ def verify(
     steps = [i for i in diverged if stepwise(caches[i])]
     dense = [i for i in diverged if i not in steps]
     parts = []
-    for resume in sorted({first[i] if streams(caches[i]) else 0 for i in steps}):  # rows that stream share their point
-        rows = [i for i in steps if (first[i] if streams(caches[i]) else 0) == resume]
+    resumes = {i: first[i] if streams(caches[i]) else 0 for i in steps}  # where each stepwise row resumes decoding
+    for resume in sorted(set(resumes.values())):  # rows that resume at one point share a group
+        rows = [i for i in steps if resumes[i] == resume]
         prefix = list(path[:resume])
         parts.append(Diverged(rows, True, prefix, Group([caches[i] for i in rows], tail, start, max_new_tokens - resume,
                                                         tuple(prefix))))
-    resumable = [(group, batch) for group, batch in passes if batch.splittable()]
+    resumable = [(group, batch) for group, batch in passes if batch.splittable()]  # the one dense pass, if splittable
     if dense and resumable:
         (group, batch), eos = resumable[0], stop_ids(model)
         local = [group.index(i) for i in dense]
@@ -409,7 +405,6 @@ def verify(
         shared = min(first[i] for i in dense)
         prefix = list(path[:shared])
         parts.append(Diverged(dense, False, prefix, Group([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared)))
-    del passes, resumable
     return Verified(answers, div, logp_ref, first, t1 - t0, t2 - t1, parts)
 
 

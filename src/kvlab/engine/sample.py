@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-
 from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.decode import (
     Verified, decode_diverged, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, stepped_noise,
