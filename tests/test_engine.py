@@ -284,6 +284,49 @@ def test_sdpa_gqa_folds_heads_in_bf16_on_the_cpu(tiny):
     torch.testing.assert_close(ours.double(), exact, rtol=2 ** -8, atol=1e-3)  # one bf16 rounding of the output
 
 
+def test_a_mask_layers_share_is_folded_once_per_pass(tiny):
+    """Within a forward pass (`reading`), layers handed the same mask reuse its copy folded for grouped heads, and
+    each layer's result is bitwise what folding it alone gives; a layer that restricts its keys (block-sparse) folds
+    its own mask; nothing is kept once the pass ends."""
+    from kvlab.engine import attention_layers, sdpa_gqa
+    from kvlab.engine import attention as attn
+
+    module = attention_layers(tiny[0])[0]
+    g = torch.Generator().manual_seed(4)
+    mask = torch.zeros(3, 1, 5, 40, dtype=torch.bfloat16)
+    mask[1, :, :, :30] = torch.finfo(torch.bfloat16).min
+    mask[2, :, :, 20:] = torch.finfo(torch.bfloat16).min
+    layers = [tuple(torch.randn(3, h, t, 16, generator=g).bfloat16() for h, t in ((4, 5), (2, 40), (2, 40))) for _ in range(3)]
+    alone = [sdpa_gqa(module, q, k, v, mask, scaling=0.25)[0] for q, k, v in layers]
+    folds = []
+    real = attn._grouped
+
+    def counted(*args, **kwargs):
+        folds.append(kwargs.get("shared"))
+        return real(*args, **kwargs)
+
+    with attn.reading(None):
+        memo = attn._FOLDED.get()
+        attn._grouped = counted
+        try:
+            shared = [sdpa_gqa(module, q, k, v, mask, scaling=0.25)[0] for q, k, v in layers]
+        finally:
+            attn._grouped = real
+        assert len(memo) == 1 and folds == [True] * 3  # one folded copy for three layers
+        own = torch.ones(3, 2, 5, 40, dtype=torch.bool)
+        own[:, :, :, 35:] = False  # a layer restricting its keys gets a mask of its own, never the shared copy
+        restricted = attn.restricted
+        attn.restricted = lambda module, query, key, mask: mask.masked_fill(~own.repeat_interleave(2, dim=1), torch.finfo(mask.dtype).min)
+        try:
+            sdpa_gqa(module, *layers[0], mask, scaling=0.25)
+        finally:
+            attn.restricted = restricted
+        assert len(memo) == 1
+    assert attn._FOLDED.get() is None
+    for ours, theirs in zip(shared, alone):
+        assert torch.equal(ours, theirs)
+
+
 def test_growing_layer_appends_in_place_as_concatenation_would():
     """Batch's dense layers append into room they hold (no copy of the cache per step); what they hold equals
     DynamicLayer's concatenation through growth past the room, dropped rows and a crop."""
@@ -925,15 +968,21 @@ def test_a_split_row_cut_back_is_the_row_fed_less(tiny, sharp, sample):
         kivi.split([0], [len(tail) - 1])
 
 
-def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monkeypatch):
+@pytest.mark.parametrize("buckets", [False, True])
+def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monkeypatch, buckets):
     """verify: a dense row that leaves the reference's answer at d resumes from the teacher-forced pass, fed only the
     token it chose there, at position start + len(tail) + d (no tail fed again); a quantized row is fed the tail, then
     the answer's first d tokens streamed in one pass; every row's answer is the one decoding it step by step gives.
     Where the pass cannot be split into rows (sliding-window models), the dense rows are fed the shared prefix from
-    the tail instead, and where rows cannot stream in one pass they are fed one token per pass: the same answers."""
-    from kvlab.engine import verify
+    the tail instead, and where rows cannot stream in one pass they are fed one token per pass: the same answers.
+    With `buckets`, every dense length is teacher-forced in a batch of its own (`length_buckets`), each row resuming
+    from its own batch."""
+    from kvlab.engine import decode, verify
     from kvlab.engine.decode import decode_diverged
 
+    if buckets:
+        monkeypatch.setattr(decode, "PASS_PAIRS", 0)
+        monkeypatch.setattr(decode, "BUCKET_TOKENS", 1)
     methods = {name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}
     resumed, streamed = 0, 0
     for seed in (1, 2, 3):
@@ -1061,3 +1110,60 @@ def test_a_chunk_after_per_layer_budgets_stays_causal(tiny, sample):
     steps = Batch(model, [cache])
     one = torch.cat([steps.forward(torch.tensor([[t]]), base.length + i)[0] for i, t in enumerate(tail)])
     torch.testing.assert_close(chunk, one, rtol=0, atol=1e-4)
+
+
+def test_length_buckets_are_the_cheapest_contiguous_split():
+    """length_buckets: over rows sorted longest first, the split into contiguous batches of least padded attention
+    plus per-pass cost (checked against every split), each batch feeding at least the minimum tokens; a cache at
+    budgets 1.0 to 0.1 splits where the padding outweighs a pass, and one length or a short feed stays one batch."""
+    import itertools
+    import random
+
+    from kvlab.engine.decode import length_buckets
+
+    def cost(batches, held, fed, pass_pairs):
+        return sum(len(b) * fed * (max(held[i] for i in b) + fed) + pass_pairs for b in batches)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        held = [rng.choice([50, 107, 268, 535, 1070, rng.randint(1, 2000)]) for _ in range(rng.randint(1, 7))]
+        fed, pass_pairs, least = rng.randint(1, 80), rng.choice([0, 25_000, 200_000]), rng.choice([1, 64, 128])
+        got = length_buckets(held, fed, pass_pairs, least)
+        order = sorted(range(len(held)), key=lambda i: -held[i])
+        assert [i for b in got for i in b] == order
+        splits = [[order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+                  for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k)]
+        allowed = [s for s in splits if all(len(b) * fed >= least for b in s)] or [[order]]
+        assert len(got) == 1 or all(len(b) * fed >= least for b in got)
+        assert cost(got, held, fed, pass_pairs) == pytest.approx(min(cost(s, held, fed, pass_pairs) for s in allowed))
+    assert length_buckets([1070, 535, 535, 268, 268, 107, 107], 60, 25_000, 128) == [[0, 1, 2], [3, 4, 5, 6]]
+    assert length_buckets([1070, 535, 535, 268, 268, 107, 107], 20, 25_000, 128) == [list(range(7))]
+    assert length_buckets([600, 600, 600], 60, 0, 1) == [[0, 1, 2]]
+
+
+def test_teacher_forcing_in_length_buckets_equals_one_batch(tiny, sharp, monkeypatch):
+    """Dense rows teacher-forced in batches of their own lengths give the KL, NLL, reference log-probabilities and
+    greedy choices of one padded batch (fp32: the padding was masked, so only the kernel's summation order moves)."""
+    from kvlab.engine import decode
+    from kvlab.engine.decode import forced_divergence
+
+    (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 5}, tiny[1], 600)
+    base = prefill(sharp, s.prompt.context)
+    grid = variants(build({name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}), [0.5, 0.25, 0.1])
+    caches = [compress(sharp, base, v) for v in grid]
+    tail, path = s.prompt.question + s.prompt.suffix, s.prompt.question[:9]
+    one_batch, passes = [], []
+    monkeypatch.setattr(decode, "BUCKET_TOKENS", 10 ** 9)  # no batch feeds that many: all rows in one
+    one = forced_divergence(sharp, caches, tail, path, base.length, 0, resume=one_batch)
+    monkeypatch.setattr(decode, "PASS_PAIRS", 0)
+    monkeypatch.setattr(decode, "BUCKET_TOKENS", 1)
+    split = forced_divergence(sharp, caches, tail, path, base.length, 0, resume=passes)
+    assert len(one_batch) == 1 and len(passes) == len({round(sum(x.keys.shape[-2] for x in c.layers)) for c in caches
+                                                            if not decode.stepwise(c)}) > 2
+    assert sorted(i for group, _ in passes for i in group) == sorted(one_batch[0][0])
+    for a, b in zip(one[0], split[0]):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5), (k, a[k], b[k])
+    torch.testing.assert_close(one[1], split[1], rtol=0, atol=1e-5)
+    assert torch.equal(one[2], split[2])

@@ -18,16 +18,19 @@ from kvlab.kernels.layer import KVLayer, wants_query
 
 ATTENTION = "kvlab_sdpa_gqa"
 _READING: ContextVar = ContextVar("kvlab_reading", default=None)  # the cache a forward pass reads (see `reading`)
+_FOLDED: ContextVar = ContextVar("kvlab_folded", default=None)  # masks folded for grouped heads in this pass (`_grouped`)
 
 
 @contextmanager
 def reading(cache):
     """Let attention find the cache layer a forward pass reads, by the attention module's `layer_idx`: a layer
-    whose update set `fused_step` is read from its codes (`sdpa_gqa`)."""
-    token = _READING.set(cache)
+    whose update set `fused_step` is read from its codes (`sdpa_gqa`). Within the pass, a mask that several layers
+    share (`Batch.alike`) is folded for grouped heads once (`_grouped`)."""
+    token, folded = _READING.set(cache), _FOLDED.set({})
     try:
         yield
     finally:
+        _FOLDED.reset(folded)
         _READING.reset(token)
 
 
@@ -80,10 +83,11 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
         return out.to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    given = attention_mask
     attention_mask = restricted(module, query, key, attention_mask)
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if grouped_heads(query, key, causal):
-        return _grouped(query, key, value, attention_mask, dropout, scaling), None
+        return _grouped(query, key, value, attention_mask, dropout, scaling, shared=attention_mask is given), None
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=key.shape[1] != query.shape[1],
@@ -101,17 +105,27 @@ def grouped_heads(query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
             and query.shape[1] != key.shape[1])
 
 
-def _grouped(query, key, value, mask, dropout, scaling) -> torch.Tensor:
+def _grouped(query, key, value, mask, dropout, scaling, shared: bool = False) -> torch.Tensor:
     """SDPA with the G query heads of each KV head as G·n query rows of that head: (B, Hq, n, D) is viewed as
     (B, Hkv, G·n, D) and the mask (B, 1 or Hq, n, kv) as (B, 1 or Hkv, G·n, kv). Every query row attends on its
-    own, so this is the same attention, computed with the same kernel's fp32 arithmetic. Returns (B, n, Hq, D)."""
+    own, so this is the same attention, computed with the same kernel's fp32 arithmetic. Returns (B, n, Hq, D).
+    `shared`: the mask is the one the pass handed the layer (no layer-own restriction, see `restricted`), alive for
+    the whole pass: under `reading`, its folded copy is made once and reused by every layer handed the same mask
+    (a teacher-forced pass's mask folded is G·n·kv per row, ~15 MB per layer at 16 rows of a 1K cache)."""
     b, hq, n, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     if mask is not None:
-        if mask.shape[1] == 1:
-            mask = mask[:, :, None].expand(b, 1, g, n, mask.shape[-1])
-        mask = mask.reshape(b, hkv if mask.shape[1] == hq else 1, g * n, mask.shape[-1])
+        memo = _FOLDED.get() if shared else None
+        # the mask's storage lives through the pass (`shared`), so its address and layout name its contents
+        name = None if memo is None else (mask.data_ptr(), tuple(mask.shape), mask.stride(), mask.dtype, g)
+        folded = None if name is None else memo.get(name)
+        if folded is None:
+            folded = mask[:, :, None].expand(b, 1, g, n, mask.shape[-1]) if mask.shape[1] == 1 else mask
+            folded = folded.reshape(b, hkv if mask.shape[1] == hq else 1, g * n, mask.shape[-1])
+            if memo is not None:
+                memo[name] = folded
+        mask = folded
     out = torch.nn.functional.scaled_dot_product_attention(
         query.reshape(b, hkv, g * n, d), key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )

@@ -12,6 +12,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from kvlab.engine.batch import Batch
+from kvlab.engine.compress import held_tokens
 from kvlab.models.structure import is_sliding, stop_ids
 from kvlab.kernels import stream as kvstream
 from kvlab.kernels.layer import own_layout
@@ -237,8 +238,8 @@ def forced_divergence(
     row's logits are normalized in one reused (len(path), V) scratch block and reduced to its KL and NLL there (at 25
     rows × 128 tokens of Qwen's 152K vocabulary the block is 1.9 GB, and writing a fresh one took 1.8 s per prose
     sample, most of it the kernel handing out new pages; the same work in a reused block takes 0.1 s). `resume`: a list,
-    to which the dense rows' pass is appended as (their indices, their batch), its caches then holding `tail` +
-    `path[:-1]` (`verify` resumes the rows that leave `path` from there)."""
+    to which each pass of dense rows (`length_buckets`) is appended as (their indices, their batch), its caches then
+    holding `tail` + `path[:-1]` (`verify` resumes the rows that leave `path` from there)."""
     kl, nll = [None] * len(caches), [None] * len(caches)
     logp_ref = p_ref = choice = None
     for group, logits, batch in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
@@ -263,17 +264,23 @@ def forced_divergence(
 def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool,
                    first: int | None = None):
     """Per kind of feeding (see `teacher_forced`): the rows fed that way, their logits (rows, len(path), V) along
-    `path`, and their batch after the pass. The kind holding row `first` comes first."""
+    `path`, and their batch after the pass. Dense rows are fed in batches of similar length (`length_buckets`). The
+    batch holding row `first` comes first."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
-    kinds = ["dense", "stream", "steps"]
-    if first is not None:
-        kinds.sort(key=lambda kind: kind != how[first])
-    for kind in kinds:
+    fed = len(tail) + len(path) - 1
+    groups = []
+    for kind in ("dense", "stream", "steps"):
         group = [i for i, h in enumerate(how) if h == kind]
-        if not group:
-            continue
+        if group and kind == "dense":
+            held = [sum(held_tokens(layer) for layer in caches[i].layers) / len(caches[i].layers) for i in group]
+            groups += [(kind, [group[j] for j in bucket]) for bucket in length_buckets(held, fed, PASS_PAIRS, BUCKET_TOKENS)]
+        elif group:
+            groups.append((kind, group))
+    if first is not None:
+        groups.sort(key=lambda g: first not in g[1])
+    for kind, group in groups:
         batch = Batch(model, [caches[i] for i in group])
         ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
         first_path = len(tail)  # the tail's last logits predict path[0]
@@ -290,7 +297,39 @@ def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: lis
             steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
             logits = torch.cat(steps, dim=1)
         yield group, logits, batch
-        logits = steps = batch = None  # freed before the next kind's pass, once the caller lets go of its own
+        logits = steps = batch = None  # freed before the next batch's pass, once the caller lets go of its own
+
+
+# A dense teacher-forced batch is right-padded to its longest row, and SDPA computes the padding it masks: rows of a
+# 1K cache at budgets 1.0 down to 0.1 in one batch spend most of their attention on padding. `length_buckets` splits
+# them where that saves more than a pass costs. Units: query-key pairs of one row over every layer and head (Qwen2.5-
+# 0.5B in bf16 on the 2-core EPYC: ~0.8 us each, torch's CPU flash kernel at ~110 GFLOP/s); a forward pass's own
+# overhead (~24 layers of small operators and Python, ~20 ms) is about 25,000 of them. A batch feeds at least
+# BUCKET_TOKENS tokens (rows × tokens fed), where the packed linear layers still run near their peak (M of 33-128
+# rows ran at 375 GFLOP/s in a variable_tracking job, above 128 at 406).
+PASS_PAIRS = 25_000
+BUCKET_TOKENS = 128
+
+
+def length_buckets(held: list[float], fed: int, pass_pairs: int, min_tokens: int) -> list[list[int]]:
+    """Rows holding `held` tokens (per layer, on average), each then fed `fed` tokens in one pass, as batches (indices
+    into `held`, longest rows first): the split into runs of similar length that least costs the padded attention
+    (rows × fed × (longest held + fed) query-key pairs per batch) plus `pass_pairs` per batch, every batch feeding at
+    least `min_tokens` tokens (else all rows in one)."""
+    order = sorted(range(len(held)), key=lambda i: -held[i])
+    best, cut = [0.0] + [math.inf] * len(order), [0] * (len(order) + 1)
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            if (j - i) * fed < min_tokens and not (i == 0 and j == len(order)):
+                continue
+            cost = best[i] + (j - i) * fed * (held[order[i]] + fed) + pass_pairs
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    out, j = [], len(order)
+    while j:
+        out.append(order[cut[j] : j])
+        j = cut[j]
+    return out[::-1]
 
 
 def _log_softmax_into(out: torch.Tensor, logits: torch.Tensor) -> None:
@@ -390,16 +429,19 @@ def verify(
         prefix = list(path[:resume])
         parts.append(Diverged(rows, True, prefix, Group([caches[i] for i in rows], tail, start, max_new_tokens - resume,
                                                         tuple(prefix))))
-    resumable = [(group, batch) for group, batch in passes if batch.splittable()]  # the one dense pass, if splittable
+    resumable = [(group, batch) for group, batch in passes if batch.splittable()]  # the dense passes, if splittable
     if dense and resumable:
-        (group, batch), eos = resumable[0], stop_ids(model)
-        local = [group.index(i) for i in dense]
-        rows = batch.split(local, [len(tail) + first[i] for i in dense])
-        for i, r, cache in zip(dense, local, rows):
-            d, token = first[i], int(choice[i, first[i]])
+        eos, resumed = stop_ids(model), {}
+        for group, batch in resumable:  # each dense row from the batch it was fed in (`length_buckets`)
+            mine = [i for i in dense if i in group]
+            local = [group.index(i) for i in mine]
+            for i, r, cache in zip(mine, local, batch.split(local, [len(tail) + first[i] for i in mine])):
+                resumed[i] = (cache, int(batch.shift[r]))
+        for i in dense:
+            (cache, shift), d, token = resumed[i], first[i], int(choice[i, first[i]])
             answers[i] = path[:d] + [token]
             if token not in eos and d + 1 < max_new_tokens:
-                parts.append(Diverged([i], False, answers[i], Group([cache], [token], int(batch.shift[r]) + start + len(tail) + d,
+                parts.append(Diverged([i], False, answers[i], Group([cache], [token], shift + start + len(tail) + d,
                                                                     max_new_tokens - d - 1)))
     elif dense:  # sliding-window layers: fed the prefix they all share, from the tail
         shared = min(first[i] for i in dense)
