@@ -36,7 +36,8 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     monkeypatch.setattr(profile_eval, "SHAPES", ((64, 64, 64),))  # the peak's own test is below; at the engine's shapes it takes 14 s
     config = smoke_config(tmp_path, ["full", "snapkv", "kivi2", "h2o"])
     out = main(["--model-dir", str(tiny_dir), "--task", "niah_single", "--ctx", "512", "--preset", "smoke",
-                "--config", config, "--dtype", "float32", "--threads", "1", "--out", str(tmp_path / "p.parquet")])
+                "--config", config, "--dtype", "float32", "--threads", "1", "--repeats", "2",
+                "--out", str(tmp_path / "p.parquet")])
     assert out.equals(pd.read_parquet(tmp_path / "p.parquet"))
     from kvlab.hardware import bf16_matmul_native
 
@@ -62,8 +63,14 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     assert rate["value"] * rate["seconds"] == pytest.approx(roof.loc["matmul_gflop", "value"])
     assert roof.loc["matmul_floor_s", "seconds"] == pytest.approx(
         roof.loc["matmul_gflop", "value"] / roof.loc["peak_matmul_gflops", "value"])
-    assert roof.loc["wall_over_floor", "value"] == pytest.approx(
-        out.set_index("name").loc["wall_s", "seconds"] / roof.loc["matmul_floor_s", "seconds"])
+    wall = out.set_index("name").loc["wall_s"]  # the median of two runs, with the fastest and the slowest beside it
+    assert wall["calls"] == 2 and wall["low"] <= wall["seconds"] <= wall["high"]
+    assert roof.loc["wall_over_floor", "value"] == pytest.approx(wall["seconds"] / roof.loc["matmul_floor_s", "seconds"])
+    assert roof.loc["wall_over_floor", "high"] == pytest.approx(wall["high"] / roof.loc["matmul_floor_s", "seconds"])
+    # attention's products: counted in every layer's SDPA call, and added to the matmuls' floor
+    assert roof.loc["attention_gflop", "value"] > 0 and roof.loc["attention_gflop", "calls"] > 0
+    assert roof.loc["matmul_attention_floor_s", "seconds"] == pytest.approx(
+        (roof.loc["matmul_gflop", "value"] + roof.loc["attention_gflop", "value"]) / roof.loc["peak_matmul_gflops", "value"])
 
 
 def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):
@@ -94,7 +101,7 @@ def test_counted_matmuls_are_their_flops_and_bytes_and_only_them():
     bytes of operands and result (an expanded operand once); nothing for elementwise operators."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kvlab.profile_eval import counted_matmuls, roofline_rows
+    from kvlab.profile_eval import counted_products, roofline_rows
 
     a, b, bias = torch.randn(6, 5), torch.randn(5, 7), torch.randn(7)
 
@@ -103,27 +110,70 @@ def test_counted_matmuls_are_their_flops_and_bytes_and_only_them():
         torch.bmm(a[None].expand(3, -1, -1), b[None].expand(3, -1, -1))  # bmm, 3 products
         (a @ b).exp().sum()  # mm, then elementwise work that has no flops here
 
-    calls = counted_matmuls(job)
+    counted = counted_products(job)
+    calls = counted.calls
+    assert not counted.attention
     flops = 2 * 6 * 5 * 7
     assert calls == {(flops, 4 * (7 + 30 + 35 + 42)): 1, (3 * flops, 4 * (30 + 35 + 3 * 42)): 1, (flops, 4 * (30 + 35 + 42)): 1}
     counter = FlopCounterMode(display=False)
     with counter:
         job()
     assert sum(f * n for (f, _), n in calls.items()) == counter.get_total_flops() == 5 * flops
-    roof = {r["name"]: r for r in roofline_rows(calls, (1.0, 1.0), peak=1e-7, bandwidth=1e-7, wall=42.88)}
+    roof = {r["name"]: r for r in roofline_rows(calls, (1.0, 1.0), peak=1e-7, bandwidth=1e-7, walls=[50.0, 40.0, 42.88])}
     # at 100 flop/s and 100 B/s: the addmm and the mm wait for their bytes (4.56 and 4.28 s against 4.2 s of flops),
     # the bmm for its flops (12.6 s against 7.64 s of bytes)
     assert roof["roofline_floor_s"]["seconds"] == pytest.approx(4.56 + 12.6 + 4.28)
     assert roof["matmul_floor_s"]["seconds"] == pytest.approx(21.0) and roof["matmul_gbytes"]["value"] == pytest.approx(1648e-9)
     assert roof["wall_over_roofline"]["value"] == pytest.approx(2.0) and roof["wall_over_floor"]["value"] == pytest.approx(42.88 / 21)
+    # three runs: the ratio is the median run's, the fastest and slowest beside it; no attention counted, no rows for it
+    assert roof["wall_over_floor"]["low"] == pytest.approx(40 / 21) and roof["wall_over_floor"]["high"] == pytest.approx(50 / 21)
+    assert "attention_gflop" not in roof
 
 
 def test_counted_matmuls_count_packed_linear_layers():
     """A packed layer's product (kvlab.kernels.linear), which FlopCounterMode does not see: 2·M·K·N flops and the
     bytes of input, packed weight, bias and output."""
     from kvlab.kernels.linear import PackedLinear
-    from kvlab.profile_eval import counted_matmuls
+    from kvlab.profile_eval import counted_products
 
     x, w, bias = torch.randn(2, 3, 5), torch.randn(7, 5), torch.randn(7)
     packed = PackedLinear(w, bias)
-    assert counted_matmuls(lambda: packed(x)) == {(2 * 6 * 5 * 7, 4 * (30 + 35 + 7 + 42)): 1}
+    assert counted_products(lambda: packed(x)).calls == {(2 * 6 * 5 * 7, 4 * (30 + 35 + 7 + 42)): 1}
+
+
+def test_attention_products_are_the_pairs_each_mask_lets_through():
+    """MatmulCounter.attention: 2·(D_qk + D_v) flops per query-key pair an SDPA call must compute (no matmul operator
+    shows them): every pair without a mask, the lower triangle of a causal prefill, the entries an additive or a
+    boolean mask leaves, broadcast over rows and heads; the engine's folded grouped-query call counts what the plain
+    call over every query head counts. The floor adds them to the matmuls' at the same peak."""
+    from collections import Counter
+
+    from kvlab.engine.attention import _grouped
+    from kvlab.profile_eval import counted_products, roofline_rows
+
+    torch.manual_seed(0)
+    b, hq, hkv, n, keys, d, dv = 2, 4, 2, 3, 6, 8, 8
+    q, k, v = torch.randn(b, hq, n, d), torch.randn(b, hkv, keys, d), torch.randn(b, hkv, keys, dv)
+    allowed = torch.rand(b, 1, n, keys) > 0.4
+    allowed[..., 0] = True  # every query sees a key
+    additive = torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    per_pair = 2 * (d + dv)
+    cases = {
+        "every pair": (lambda: sdpa(q, k, v, enable_gqa=True), b * hq * n * keys),
+        "causal prefill": (lambda: sdpa(q, k[:, :, :n], v[:, :, :n], is_causal=True, enable_gqa=True), b * hq * (1 + 2 + 3)),
+        "additive mask": (lambda: sdpa(q, k, v, attn_mask=additive, enable_gqa=True), hq * int(allowed.sum())),
+        "boolean mask": (lambda: sdpa(q, k, v, attn_mask=allowed, enable_gqa=True), hq * int(allowed.sum())),
+        "folded heads": (lambda: _grouped(q.bfloat16(), k.bfloat16(), v.bfloat16(), additive.bfloat16(), 0.0, None),
+                         hq * int(allowed.sum())),
+    }
+    for name, (job, pairs) in cases.items():
+        counted = counted_products(job)
+        assert sum(f * c for (f, _), c in counted.attention.items()) == per_pair * pairs, name
+        assert sum(counted.attention.values()) == 1 and not counted.calls, name
+    attention = Counter({(300, 0): 1})  # 3 s at 100 flop/s, the matmuls' 200 flops 2 s
+    roof = {r["name"]: r for r in roofline_rows(Counter({(200, 0): 1}), (1.0, 1.0), peak=1e-7, bandwidth=1.0,
+                                                walls=[10.0], attention=attention)}
+    assert roof["matmul_floor_s"]["seconds"] == pytest.approx(2.0)
+    assert roof["matmul_attention_floor_s"]["seconds"] == pytest.approx(5.0) and roof["attention_gflop"]["calls"] == 1
+    assert roof["wall_over_matmul_attention_floor"]["value"] == pytest.approx(2.0)

@@ -28,8 +28,16 @@ share of the profiled wall time (`profiled_wall_s`).
   the matmuls move (`matmul_gbytes`: operands and results, nothing kept in cache between calls), this CPU's
   streaming bandwidth (`peak_bandwidth_gbs`: a 512 MB sum, a one-row product with LM-head weights) and
   `roofline_floor_s`, every call at the slower of its flops at the peak and its bytes at that bandwidth (a one-token
-  step at a few rows waits for its weights, whatever the engine), with `wall_over_roofline`. Rows name the dtype (`--dtype` forces
-  one, e.g. float32 on a bf16-capable CPU), the threads, the device and the CPU kind (bf16-capable or fp32 only).
+  step at a few rows waits for its weights, whatever the engine), with `wall_over_roofline`. Attention's own two
+  products (scores and their weighted values) run inside fused SDPA kernels that no matmul operator shows, so the
+  matmul floor leaves them out; `attention_gflop` counts them (the query-key pairs each call's mask lets through,
+  causal prefills' lower triangle), and `matmul_attention_floor_s` puts them at the same peak beside the matmuls:
+  the floor of every matrix product the job needs, with `wall_over_matmul_attention_floor`. Rows name the dtype
+  (`--dtype` forces one, e.g. float32 on a bf16-capable CPU), the threads, the device and the CPU kind (bf16-capable
+  or fp32 only).
+- `--repeats N` times the plain job N times: `wall_s` is their median, and every ratio to a floor is the median's,
+  with the fastest and the slowest run's in the `low` and `high` columns (this machine's run-to-run noise is 5-15%,
+  so one run does not settle a ratio near 2).
 
 The profiler adds a few microseconds per operator and holds every call in memory, so shares matter more than
 absolute seconds, and `--profile-samples` stays small (default 1); `wall_s` is the whole job without it.
@@ -38,6 +46,7 @@ absolute seconds, and `--profile-samples` stays small (default 1); `wall_s` is t
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -113,21 +122,29 @@ def matmul_gflop(events) -> tuple[float, float]:
 
 
 class MatmulCounter(TorchDispatchMode):
-    """Every matmul a job runs (mm, addmm, bmm: the operators torch's profiler and FlopCounterMode count; and the
-    packed linear layers' product, `kvlab.kernels.linear`), as a Counter of (flops, bytes) per call: 2·M·K·N flops
-    (per product of a bmm), as those count them, and the bytes of its operands and result (a broadcast operand's
-    elements once), what the call moves through memory at least when nothing stays in cache from one call to the
-    next (a decode step's weights). Holds no event per call, so a whole job's first round fits in memory (the
-    profiler's events of 10 prose_kl samples went past 23 GB)."""
+    """Every matrix product a job runs, without holding an event per call (the profiler's events of 10 prose_kl
+    samples went past 23 GB), each as a Counter of (flops, bytes) -> calls, the bytes being those of its operands and
+    result (a broadcast operand's elements once): what the call moves through memory at least when nothing stays in
+    cache from one call to the next (a decode step's weights).
+
+    - `calls`: the matmuls (mm, addmm, bmm: the operators torch's profiler and FlopCounterMode count; and the packed
+      linear layers' product, `kvlab.kernels.linear`), 2·M·K·N flops (per product of a bmm), as those count them;
+    - `attention`: attention's two products (scores, then their weighted sum of values) inside the fused SDPA
+      kernels, which no matmul operator shows: 2·(D_qk + D_v) flops per query-key pair it must compute, the pairs
+      its mask lets through (`attention_pairs`), not every pair of the padded block the kernel may compute."""
 
     OPS = (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+    ATTENTION = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+                 torch.ops.aten._scaled_dot_product_flash_attention, torch.ops.aten._scaled_dot_product_efficient_attention)
 
     def __init__(self):
         super().__init__()
         self.calls: Counter = Counter()
+        self.attention: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         op = func._overloadpacket
         if op in self.OPS or op is torch.ops.mkldnn._linear_pointwise:
             if op is torch.ops.mkldnn._linear_pointwise:  # x (M, K) times the packed weight (N, K)
@@ -137,7 +154,32 @@ class MatmulCounter(TorchDispatchMode):
                 flops = 2 * a.numel() * b.shape[-1]
             tensors = [t for t in args if isinstance(t, torch.Tensor)] + [out]
             self.calls[(flops, sum(stored_bytes(t) for t in tensors))] += 1
+        elif op in self.ATTENTION:
+            bound = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+            query, key, value = args[:3]
+            mask = bound.get("attn_mask", bound.get("attn_bias"))
+            causal = bool(bound.get("is_causal", False))
+            pairs = attention_pairs(query.shape, key.shape[-2], mask, causal)
+            tensors = [query, key, value, out[0]] + ([mask] if mask is not None else [])
+            self.attention[(2 * (query.shape[-1] + value.shape[-1]) * pairs, sum(stored_bytes(t) for t in tensors))] += 1
         return out
+
+
+def attention_pairs(query_shape, keys: int, mask: torch.Tensor | None, causal: bool) -> int:
+    """The query-key pairs an attention call over `query_shape` (B, H_q, n, D) and `keys` keys must compute: those
+    its mask lets through (boolean, or additive: above half the dtype's lowest value), broadcast over batch rows and
+    heads as SDPA broadcasts it; with `is_causal` (top-left aligned, as SDPA reads it) query i's first i + 1 keys;
+    else every pair."""
+    b, h, n = query_shape[:3]
+    if mask is not None:
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        shape = (1,) * (4 - allowed.dim()) + tuple(allowed.shape)
+        spread = math.prod(full // own for full, own in zip((b, h, n, keys), shape))
+        return int(allowed.sum()) * spread
+    if causal:
+        full = min(n, keys)  # queries before the last key see i + 1 keys, the rest every key
+        return b * h * (full * (full + 1) // 2 + (n - full) * keys)
+    return b * h * n * keys
 
 
 def stored_bytes(t: torch.Tensor) -> int:
@@ -148,12 +190,12 @@ def stored_bytes(t: torch.Tensor) -> int:
     return math.prod(n for n, stride in zip(t.shape, t.stride()) if stride) * t.element_size()
 
 
-def counted_matmuls(job) -> Counter:
-    """(flops, bytes) -> calls of the matmuls of running `job()` (`MatmulCounter`)."""
+def counted_products(job) -> MatmulCounter:
+    """The matrix products of running `job()`: its `calls` (matmuls) and `attention` (`MatmulCounter`)."""
     counter = MatmulCounter()
     with counter:
         job()
-    return counter.calls
+    return counter
 
 
 BANDWIDTH_BYTES = 512 << 20  # the streamed sum's tensor
@@ -176,27 +218,44 @@ def peak_bandwidth_gbs(dtype: torch.dtype, repeats: int = 5) -> float:
     return best
 
 
-def roofline_rows(calls: Counter, rate: tuple[float, float], peak: float, bandwidth: float, wall: float) -> list[dict]:
-    """The job's matmul GFLOP (`calls`: (flops, bytes) -> calls, `counted_matmuls`), the rate its profiled samples'
+def roofline_rows(calls: Counter, rate: tuple[float, float], peak: float, bandwidth: float, walls: list[float],
+                  attention: Counter | None = None) -> list[dict]:
+    """The job's matmul GFLOP (`calls`: (flops, bytes) -> calls, `MatmulCounter.calls`), the rate its profiled samples'
     matmuls ran at (`rate`: their GFLOP and seconds), the peak, the seconds the job's flops need at it
     (`matmul_floor_s`) and the job's wall time (unprofiled) over those seconds (the roofline issue's ratio); then the
     memory roof: the GB the matmuls move, the streaming bandwidth, and `roofline_floor_s`, each call at the slower of
     its flops at the peak and its bytes at that bandwidth (a one-token step at a few rows waits for its weights), with
-    the wall time over it."""
+    the wall time over it. With `attention` (`MatmulCounter.attention`): its GFLOP, and the floor of matmuls and
+    attention's products together at the same peak (`matmul_attention_floor_s`: the least any engine could spend on
+    every matrix product the job needs, attention's included), with the wall time over it. `walls`: the job's wall
+    times, one per run: a ratio is the median's, with the lowest and highest run's in `low` and `high`."""
     gflop = sum(f * n for (f, _), n in calls.items()) / 1e9
     gbytes = sum(b * n for (_, b), n in calls.items()) / 1e9
     floor = gflop / peak
     roof = sum(max(f / peak, b / bandwidth) * n for (f, b), n in calls.items()) / 1e9
+    wall = statistics.median(walls)
     nan = float("nan")
-    return [{"kind": "roofline", "name": "matmul_gflop", "seconds": nan, "calls": 0, "value": gflop},
+
+    def ratio(name: str, over: float) -> dict:
+        return {"kind": "roofline", "name": name, "seconds": nan, "calls": 0, "value": wall / over,
+                "low": min(walls) / over, "high": max(walls) / over}
+
+    rows = [{"kind": "roofline", "name": "matmul_gflop", "seconds": nan, "calls": 0, "value": gflop},
             {"kind": "roofline", "name": "matmul_gflops", "seconds": rate[1], "calls": 0, "value": rate[0] / rate[1]},
             {"kind": "roofline", "name": "peak_matmul_gflops", "seconds": nan, "calls": 0, "value": peak},
             {"kind": "roofline", "name": "matmul_floor_s", "seconds": floor, "calls": 0, "value": nan},
-            {"kind": "roofline", "name": "wall_over_floor", "seconds": nan, "calls": 0, "value": wall / floor},
+            ratio("wall_over_floor", floor),
             {"kind": "roofline", "name": "matmul_gbytes", "seconds": nan, "calls": 0, "value": gbytes},
             {"kind": "roofline", "name": "peak_bandwidth_gbs", "seconds": nan, "calls": 0, "value": bandwidth},
             {"kind": "roofline", "name": "roofline_floor_s", "seconds": roof, "calls": 0, "value": nan},
-            {"kind": "roofline", "name": "wall_over_roofline", "seconds": nan, "calls": 0, "value": wall / roof}]
+            ratio("wall_over_roofline", roof)]
+    if attention is not None:
+        att = sum(f * n for (f, _), n in attention.items()) / 1e9
+        both = (gflop + att) / peak
+        rows += [{"kind": "roofline", "name": "attention_gflop", "seconds": nan, "calls": sum(attention.values()), "value": att},
+                 {"kind": "roofline", "name": "matmul_attention_floor_s", "seconds": both, "calls": 0, "value": nan},
+                 ratio("wall_over_matmul_attention_floor", both)]
+    return rows
 
 
 def profile_rows(events, wall: float) -> list[dict]:
@@ -229,8 +288,12 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                        samples_default=1)
     ap.add_argument("--profile-samples", type=int, default=1, help="how many of them run under the profiler (phases, "
                     "operators, the matmul rate): it holds every operator call in memory")
+    ap.add_argument("--repeats", type=int, default=1, help="time the job this many times (its wall time is the median, "
+                    "with the fastest and slowest run beside it: this machine's noise)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, not {args.repeats}")
     spec, run = job_settings(Path(args.config), args.task, args.preset)
     run = apply_overrides(args, run)
     if args.calibration:
@@ -252,19 +315,23 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         return rows
 
     job(samples[:1])  # warm-up: first calls allocate and pick kernels
-    t0 = time.perf_counter()
-    rows = job()
-    plain = time.perf_counter() - t0
-    calls = counted_matmuls(job)
+    walls = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        rows = job()
+        walls.append(time.perf_counter() - t0)
+    plain = statistics.median(walls)
+    counted = counted_products(job)
     with profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True) as prof:
         t0 = time.perf_counter()
         job(profiled)
         wall = time.perf_counter() - t0
     events = prof.key_averages()
     rate = matmul_gflop(prof.key_averages(group_by_input_shape=True))
-    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(calls, rate, peak_matmul_gflops(model.dtype),
-                                                                    peak_bandwidth_gbs(model.dtype), plain))
-    out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": 1, "share": 1.0},
+    out = pd.DataFrame(profile_rows(events, wall) + roofline_rows(counted.calls, rate, peak_matmul_gflops(model.dtype),
+                                                                    peak_bandwidth_gbs(model.dtype), walls, counted.attention))
+    out = pd.concat([out, pd.DataFrame([{"kind": "total", "name": "wall_s", "seconds": plain, "calls": len(walls),
+                                         "share": 1.0, "low": min(walls), "high": max(walls)},
                                         {"kind": "total", "name": "profiled_wall_s", "seconds": wall, "calls": 1,
                                          "share": 1.0}])], ignore_index=True)
     out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), profiled_samples=len(profiled),
