@@ -730,7 +730,9 @@ def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
         ((logp, choice),) = stepped(sharp, [(cache, tail, together[i], start)])
         assert kept[i].shape == (len(together[i]), sharp.config.vocab_size)
         assert kept[i].argmax(-1).tolist() == together[i] == choice.tolist()
-        torch.testing.assert_close(torch.log_softmax(kept[i].float(), -1), logp, rtol=0, atol=1e-5)
+        # rounding only, at the file's batched-against-alone tolerance: log-probs reach ~10, and a GEMM blocked by
+        # its row count (AMX Xeon: 3 rows against 1) moves them by a few fp32 ulps of that (1.05e-5 seen)
+        torch.testing.assert_close(torch.log_softmax(kept[i].float(), -1), logp, rtol=1e-5, atol=1e-5)
     assert decode_references(sharp, requests, 12)[1] == {}
 
 
