@@ -1,5 +1,7 @@
 """The evaluation speed tools: `dtype: auto`, the profile of one job and the A/B timing of one job."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -17,6 +19,10 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypa
     assert hardware.compute_dtype("auto", "cpu") == expected
     assert hardware.compute_dtype("float32", "cpu") == "float32"  # a forced dtype is kept
     assert hardware.compute_dtype("bfloat16", "cpu") == "bfloat16"
+    kind = "AMX" if amx else "AVX512-BF16" if avx512 else "no native bf16"  # rows name the CPU and its bf16 kind
+    assert hardware.device_name("cpu") == f"cpu ({hardware._cpu_model()}, {kind}, {torch.get_num_threads()} threads)"
+    if Path("/proc/cpuinfo").exists():
+        assert f"model name\t: {hardware._cpu_model()}" in Path("/proc/cpuinfo").read_text()
 
 
 def smoke_config(tmp_path, methods: list[str]) -> str:

@@ -8,9 +8,26 @@ import torch
 
 
 def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's model, how it multiplies bf16 matrices (AMX tiles, AVX512-BF16, or not natively:
+    the CPU kinds' speeds differ severalfold) and torch's threads."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    cpu = torch.cpu
+    bf16 = ("AMX" if getattr(cpu, "_is_amx_tile_supported", lambda: False)() else
+            "AVX512-BF16" if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() else "no native bf16")
+    return f"cpu ({_cpu_model()}, {bf16}, {torch.get_num_threads()} threads)"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def bf16_matmul_native(device: str) -> bool:
