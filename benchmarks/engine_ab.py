@@ -1,9 +1,13 @@
-"""Teacher forcing in length buckets against one padded batch (kvlab.engine.decode.length_buckets), in one process,
-alternating, so this machine's drift between processes does not enter: one evaluate job's first samples, timed
-`--rounds` times each way. Rows: results/bench/bucket_ab.parquet (seconds per run, answers that differ between the
-two ways, dtype and CPU kind).
+"""An engine switch on and off in one process, alternating, so this machine's drift between processes does not enter:
+one evaluate job's first samples, timed `--rounds` times each way. Switches (constants of kvlab.engine.decode):
+  buckets  teacher forcing in length buckets (`length_buckets`, BUCKET_TOKENS) against one padded batch;
+  drafts   decoding with drafts looked up in the prompt (`_drafted`, DRAFT_TOKENS) against one-token steps.
+Rows: results/bench/{switch}_ab.parquet (seconds per run, answers that differ between the two ways, dtype, CPU).
 
-    python benchmarks/bucket_ab.py --task variable_tracking --ctx 1024 --samples 4 --dtype bfloat16
+    python benchmarks/engine_ab.py --switch drafts --task variable_tracking --ctx 1024 --samples 4 --dtype bfloat16
+
+`--noise-samples 0` times a job's later rounds, whose full answers keep no one-token logits for the noise floor (a
+first round's do, and those are decoded without drafts).
 """
 
 from __future__ import annotations
@@ -18,23 +22,30 @@ import torch
 from kvlab.bench_eval import job_settings
 from kvlab.engine import decode, evaluate_samples
 from kvlab.evaluate import load_model, noise_samples
-from kvlab.hardware import bf16_matmul_native
+from kvlab.hardware import bf16_matmul_native, device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
+SWITCHES = {  # switch -> (constant, {way: its value}), the way it is off first
+    "buckets": ("BUCKET_TOKENS", {"one batch": 10 ** 9, "length buckets": decode.BUCKET_TOKENS}),  # 10**9: all rows in one
+    "drafts": ("DRAFT_TOKENS", {"one-token steps": 0, "drafts": decode.DRAFT_TOKENS}),
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
     ap.add_argument("--task", default="variable_tracking")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "results/bench/bucket_ab.parquet"))
+    ap.add_argument("--noise-samples", type=int, help="samples whose full rows get the noise floor (default: the job's)")
+    ap.add_argument("--out", help="default: results/bench/{switch}_ab.parquet")
     args = ap.parse_args()
+    name, ways = SWITCHES[args.switch]
     spec, run = job_settings(ROOT / "config.yaml", args.task, None)
     run["methods"] = with_calibration(run["methods"], ROOT / "results/calibration/qwen2.5-0.5b")
     torch.set_num_threads(run["threads"])
@@ -43,25 +54,26 @@ def main() -> None:
     grid = variants(run["methods"], run["budgets"], args.task)
     cap = max_new_tokens(spec, run["max_new_tokens"])
 
+    noise = noise_samples(run, 0, len(samples)) if args.noise_samples is None else args.noise_samples
+
     def job():
-        return evaluate_samples(model, tokenizer, samples, grid, run["question_modes"], cap,
-                                noise_samples=noise_samples(run, 0, len(samples)))
+        return evaluate_samples(model, tokenizer, samples, grid, run["question_modes"], cap, noise_samples=noise)
 
     job()  # warm-up
-    ways = {"one batch": 10 ** 9, "length buckets": decode.BUCKET_TOKENS}  # no batch feeds 10**9 tokens: all rows in one
     out, answers = [], {}
     for round_ in range(args.rounds):
-        for way, tokens in ways.items():
-            decode.BUCKET_TOKENS = tokens
+        for way, value in ways.items():
+            setattr(decode, name, value)
             t0 = time.perf_counter()
             answers[way] = [row["prediction"] for row in job()]
-            out.append({"way": way, "round": round_, "wall_s": time.perf_counter() - t0})
-    decode.BUCKET_TOKENS = ways["length buckets"]
+            out.append({"switch": args.switch, "way": way, "round": round_, "wall_s": time.perf_counter() - t0})
+    setattr(decode, name, list(ways.values())[-1])
     differ = sum(a != b for a, b in zip(*answers.values()))
-    rows = pd.DataFrame(out).assign(task=args.task, context_tokens=args.ctx, samples=len(samples), dtype=args.dtype,
-                                    rows=len(answers["one batch"]), answers_differ=differ, threads=run["threads"],
+    rows = pd.DataFrame(out).assign(task=args.task, context_tokens=args.ctx, samples=len(samples), noise_samples=noise,
+                                    dtype=args.dtype, rows=len(next(iter(answers.values()))), answers_differ=differ,
+                                    threads=run["threads"], device=device_name("cpu"),
                                     cpu_kind="bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)")
-    write_parquet(rows, args.out)
+    write_parquet(rows, args.out or str(ROOT / f"results/bench/{args.switch}_ab.parquet"))
     print(rows.to_string(index=False))
 
 

@@ -1044,6 +1044,69 @@ def test_groups_with_tails_of_one_length_are_fed_in_one_pass(tiny, sharp, monkey
     assert sorted(passes[:2]) == [(2, 4), (4, 6)] and all(shape[1] == 1 for shape in passes[2:])
 
 
+def test_lookup_drafts_what_followed_the_longest_suffix_seen_before():
+    """Lookup: the tokens after the latest earlier occurrence of the longest suffix (<= 3 tokens) that occurred before;
+    nothing for a token never seen; the row's own new tokens are looked up too."""
+    from kvlab.engine.drafts import Lookup
+
+    seen = Lookup([1, 2, 3, 4, 9, 3, 5, 6, 7, 2, 3])
+    assert seen.draft(3) == [4, 9, 3]  # (2, 3) last occurred before at 1-2, followed by 4; (3,) alone would give 5
+    assert seen.draft(0) == [] and seen.draft(9) == [4, 9, 3, 5, 6, 7, 2, 3]
+    seen.extend([8])
+    assert seen.draft(4) == []
+    seen.extend([3])
+    assert seen.draft(2) == [8, 3]  # (8, 3) never before; 3's latest earlier occurrence was followed by 8
+    copy = seen.copy()
+    copy.extend([5])
+    assert copy.draft(2) == [6, 7] and seen.draft(2) == [8, 3]
+
+
+def test_drafted_decoding_gives_the_stepwise_answers_in_fewer_passes(tiny, sharp, monkeypatch):
+    """Groups with a `source` decode with drafts looked up in it (`_drafted`): rows of different prompts, compressions
+    (evicted, re-rotated, masked per head, cross-layer shared) and positions, fed drafts that are right, wrong or absent, each take back what they reject (`Batch.reject`) and
+    answer as one-token steps do; right drafts save passes. Rows of quantized caches and kept logits get no drafts."""
+    from kvlab.engine import decode_groups
+    from kvlab.engine.decode import Group, decode_references
+
+    tokenizer, groups, bases = tiny[1], [], []
+    for seed, ctx in ((1, 500), (2, 620), (3, 560)):
+        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        bases.append(base := prefill(sharp, s.prompt.context))
+        caches = [base.cache] + [compress(sharp, base, v) for v in (
+            Variant("snap", "kvpress", 0.5, SNAP), Variant("rerot", "kvpress", 0.25, {**STREAM, "wrapper": "KeyRerotationPress"}),
+            Variant("ada", "kvpress", 0.25, {**SNAP, "wrapper": "AdaKVPress"}), Variant("cla2", "cross_layer", 1.0, {"every": 2}))]
+        groups.append(Group(caches, s.prompt.question + s.prompt.suffix, base.length, 12))
+    alone = [greedy_decode(sharp, g.caches, g.tail, g.start, g.cap) for g in groups]
+    assert max(len(a) for answers in alone for a in answers) == 12
+    passes = []
+    forward = Batch.forward
+    monkeypatch.setattr(Batch, "forward", lambda self, ids, *a, **k: passes.append(ids.shape) or forward(self, ids, *a, **k))
+    assert decode_groups(sharp, groups) == alone
+    # a source in which each group's tail is followed by its first row's answer: that row's drafts are its answer, the
+    # other rows' are right as far as their answers agree with it; the second group's drafts are all wrong
+    right = [g._replace(source=[*g.tail, *a[0]]) for g, a in zip(groups, alone)]
+    wrong = groups[1]._replace(source=[*groups[1].tail, *[(t + 1) % 259 for t in alone[1][0]]])
+    for drafted in ([right[0], wrong, right[2]], right):
+        passes.clear()
+        assert decode_groups(sharp, drafted) == alone
+        assert max(shape[1] for shape in passes) > 1
+    passes.clear()  # the first rows alone: every draft right, 12 tokens in the tails' passes and two with drafts
+    assert decode_groups(sharp, [g._replace(caches=g.caches[:1]) for g in right]) == [a[:1] for a in alone]
+    assert sorted(shape[1] for shape in passes[:-2]) == sorted({len(g.tail) for g in groups})
+    assert [shape[1] for shape in passes[-2:]] == [1 + 8, 1 + 1]  # 1 + 9 + 2 = 12
+    quantized = Variant("int8", "quant", 1.0, {"scheme": "int8", "bits": 8, "group": 16, "residual": 0, "key_axis": "channel",
+                                                "value_axis": "token"})
+    mixed = right[0]._replace(caches=[right[0].caches[0], compress(sharp, bases[0], quantized)])
+    expected = [greedy_decode(sharp, mixed.caches, mixed.tail, mixed.start, mixed.cap)]
+    passes.clear()
+    assert decode_groups(sharp, [mixed]) == expected
+    assert all(shape[1] == 1 for shape in passes[1:])  # a quantized row cannot take tokens back: one-token steps
+    passes.clear()
+    references = [(g.caches[0], g.tail, g.start) for g in right]
+    assert decode_references(sharp, references, 12, keep={1}, sources=[g.source for g in right])[0] == [a[0] for a in alone]
+    assert all(shape[1] == 1 for shape in passes[len({len(g.tail) for g in groups}):])  # logits kept: one-token steps
+
+
 @pytest.mark.parametrize("press", ["SnapKVPress", "PyramidKVPress", "KnormPress", "TOVAPress", "ExpectedAttentionPress"])
 def test_a_prefill_scores_each_layer_once_for_every_budget(tiny, sample, press, monkeypatch):
     """A ratio-free kvpress scorer (compress.RATIO_FREE_SCORERS) scores each layer of a prefill once for all its

@@ -278,6 +278,7 @@ class Batch:
         # position shift per row: re-rotated caches decode from their kept length, not the prompt's
         self.shift = torch.tensor([c.position_shift if isinstance(c, KVCache) else 0 for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking
+        self.rejected: torch.Tensor | None = None  # (B, fed) bool: tail entries of drafts a row did not accept (`reject`)
         self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
         self._alike: list[int] | None = None  # see `alike`
 
@@ -299,6 +300,8 @@ class Batch:
         row's codes cannot be cut back)."""
         if not self.splittable():
             raise ValueError("Batch.split: a sliding-window layer keeps its own window and cannot be split into rows")
+        if self.rejected is not None:
+            raise ValueError("Batch.split: rows holding rejected draft tokens (`reject`) cannot be split")
         rows = list(range(self.size)) if rows is None else rows
         fed = [self.fed] * len(rows) if fed is None else fed
         if any(not 0 <= n <= self.fed for n in fed):
@@ -349,7 +352,34 @@ class Batch:
             if self.masked[idx] is not None:
                 self.masked[idx] = self.masked[idx].index_select(0, index)
         self.shift = self.shift.index_select(0, index)
+        if self.rejected is not None:
+            self.rejected = self.rejected.index_select(0, index)
         self._alike = None
+
+    def speculable(self) -> bool:
+        """Whether rows can be fed draft tokens and drop the ones they reject (`reject`): every layer is a dense
+        `Growing` one (rows of `Rows` cannot take back a token: quantized codes, H2O's evictions; a sliding window
+        drops what leaves it)."""
+        return all(isinstance(layer, Growing) for layer in self.cache.layers)
+
+    def reject(self, counts: list[int]) -> None:
+        """After a pass, row r takes back the last `counts[r]` tokens it was fed (drafts it did not accept): they stay
+        in storage, hidden from every later query, and the row's later tokens take the positions they held (`shift`).
+        Needs `speculable`."""
+        if not self.speculable():
+            raise ValueError("Batch.reject: only dense rows (no quantized, self-evicting or sliding-window layer) take back tokens")
+        if len(counts) != self.size or any(not 0 <= c <= self.fed for c in counts):
+            raise ValueError(f"Batch.reject: one count per row ({self.size}), each 0 to {self.fed} tokens fed, not {counts}")
+        if not any(counts):
+            return
+        device = self.shift.device
+        back = torch.tensor(counts, device=device)
+        j = torch.arange(self.fed, device=device)
+        dropped = j[None, :] >= self.fed - back[:, None]
+        if self.rejected is not None:
+            dropped |= torch.nn.functional.pad(self.rejected, (0, self.fed - self.rejected.shape[1]))
+        self.rejected = dropped
+        self.shift = self.shift - back
 
     def alike(self) -> list[int]:
         """Per layer, the first layer whose `full_mask` is the same: the same rows' lengths and width, and no entries
@@ -370,7 +400,7 @@ class Batch:
         hide nothing (no padding, no masked entries): attention then runs without one, as a dense cache's decode
         does in any server (with a mask SDPA cannot take its flash kernel, and building it is several launches
         per layer and step)."""
-        if n == 1 and not self.padded_rows[idx] and self.masked[idx] is None:
+        if n == 1 and not self.padded_rows[idx] and self.masked[idx] is None and self.rejected is None:
             return None
         width, device = self.padded[idx], self.lengths[idx].device
         kv = width + self.fed + n
@@ -384,6 +414,9 @@ class Batch:
         query = self.fed + torch.arange(n, device=device)  # position of each query within the tail
         causal = (tail_pos[None, :] >= 0) & (tail_pos[None, :] <= query[:, None])  # (n, kv)
         allowed = stored[:, :, None, :] | causal[None, None, :, :]
+        if self.rejected is not None:  # drafts a row did not accept (`reject`)
+            dropped = torch.nn.functional.pad(self.rejected, (width, kv - width - self.rejected.shape[1]))
+            allowed = allowed & ~dropped[:, None, None, :]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from kvlab.engine.batch import Batch
 from kvlab.engine.compress import held_tokens
+from kvlab.engine.drafts import Lookup
 from kvlab.models.structure import is_sliding, stop_ids
 from kvlab.kernels import stream as kvstream
 from kvlab.kernels.layer import own_layout
@@ -42,13 +43,23 @@ def greedy_decode(
                    stop_ids(model) if stop else set())
 
 
+DRAFT_TOKENS = 8  # most draft tokens a row is fed in one pass (`_drafted`)
+PASS_ROWS = 32  # most positions (rows × tokens) a pass with drafts feeds: a batch of more rows steps one token at a
+# time. A pass's cost grows with its positions even where a step is bound by reading the weights (AMX Xeon, bf16, 2
+# threads, 1K cache, console: 66 ms for 2 rows × 1 token, 70 for 2 × 4, 105 for 2 × 8, 77 for 8 × 1, 85 for 8 × 2,
+# 132 for 8 × 8), and a batch decodes until its slowest row is done, so wide passes for many rows did not pay.
+
+
 def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos: set[int],
-            kept: dict[int, list] | None = None) -> list[list[int]]:
+            kept: dict[int, list] | None = None, seen: list[Lookup] | None = None) -> list[list[int]]:
     """Feed `x` (B, n) at position `pos`, then decode every row greedily until EOS or its cap (`caps`: one for
     every row, or each row's own). `kept`: sequence -> a list, to which each step appends the logits (V,) that row
-    chose its token from."""
+    chose its token from. `seen`: each row's tokens so far (before `x`), from which drafts are looked up: a dense
+    batch then decodes with drafts (`_drafted`), unless logits are kept (they are one-token steps' by definition)."""
     caps = [caps] * batch.size if isinstance(caps, int) else caps
     kept = kept or {}
+    if seen is not None and not kept and batch.speculable():
+        return _drafted(batch, x, pos, caps, eos, seen)
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]
     for _ in range(max(caps, default=0)):
@@ -71,16 +82,66 @@ def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos:
     return out
 
 
+def _drafted(batch: Batch, x: torch.Tensor, pos: int, caps: list[int], eos: set[int], seen: list[Lookup]) -> list[list[int]]:
+    """`_greedy`'s answers, decoded with drafts (verified prompt lookup, see kvlab.engine.drafts): each pass feeds
+    every row its next token and up to DRAFT_TOKENS tokens looked up in what it has seen, and a row keeps the leading
+    drafts its own greedy choices confirm, then its choice after them: the tokens one-token steps would choose, up to
+    the rounding of a pass of several tokens (the same reading the teacher-forced pass gives verified rows). The
+    drafts it rejects are taken back (`Batch.reject`). Rows whose tokens never occurred before get no drafts."""
+    out: list[list[int]] = [[] for _ in range(batch.size)]
+    live = list(range(batch.size))
+    for row, ids in zip(live, x.tolist()):
+        seen[row].extend(ids)
+    while True:
+        room = min(DRAFT_TOKENS, PASS_ROWS // len(live) - x.shape[1])
+        drafts = [seen[s].draft(min(room, caps[s] - len(out[s]) - 1)) for s in live]
+        width = max(map(len, drafts))
+        ids = x
+        if width:  # rows with fewer drafts are padded with their last token; nothing past their drafts is kept
+            filler = x[:, -1].tolist()
+            padded = [d + [f] * (width - len(d)) for d, f in zip(drafts, filler)]
+            ids = torch.cat([x, torch.tensor(padded, device=x.device)], dim=1)
+        choice = greedy(batch.forward(ids, pos, logits_to_keep=width + 1)).tolist()
+        pos += ids.shape[1]
+        going, back, nxt = [], [], []
+        for row, (s, draft, chose) in enumerate(zip(live, drafts, choice)):
+            agreed = 0
+            while agreed < len(draft) and draft[agreed] == chose[agreed]:
+                agreed += 1
+            new = []
+            for token in chose[: agreed + 1]:
+                new.append(token)
+                if token in eos or len(out[s]) + len(new) >= caps[s]:
+                    break
+            out[s] += new
+            seen[s].extend(new)
+            back.append(width - (len(new) - 1))  # drafts fed beyond the ones kept: the row's next token follows those
+            if new[-1] not in eos and len(out[s]) < caps[s]:
+                going.append(row)
+                nxt.append(new[-1])
+        if not going:
+            return out
+        batch.reject(back)
+        if len(going) < len(live):
+            batch.keep(going)
+            live = [live[r] for r in going]
+        x = torch.tensor(nxt, device=x.device)[:, None]
+
+
 @torch.no_grad()
 @record_function("kvlab.decode_reference")
 def decode_references(model, requests: list[tuple[DynamicCache, list[int], int]], max_new_tokens: int,
-                      keep: set[int] = frozenset()) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
+                      keep: set[int] = frozenset(), sources: list[list[int]] | None = None,
+                      ) -> tuple[list[list[int]], dict[int, torch.Tensor]]:
     """Greedy answers of several dense caches of different prompts, each `(cache, tail, start)`: every tail is fed
     to its own cache, then all rows decode as one batch, each at its own positions (`decode_groups`). And for the
     requests in `keep` (indices), the logits (len(answer), V) each step chose its token from: the cache read one token
     at a time along its own answer, in a batch of other prompts (what `noise_floor` compares a one-pass reading
-    with)."""
-    answers, kept = _decode_groups(model, [([cache], tail, start, max_new_tokens) for cache, tail, start in requests], keep)
+    with). `sources`: each cache's tokens (what it was prefilled with), from which the rows' drafts are looked up
+    (`_drafted`); None: no drafts."""
+    sources = sources or [None] * len(requests)
+    answers, kept = _decode_groups(model, [Group([cache], tail, start, max_new_tokens, (), source)
+                                           for (cache, tail, start), source in zip(requests, sources)], keep)
     return [answer for (answer,) in answers], kept
 
 
@@ -94,13 +155,19 @@ class Group(NamedTuple):
     """Caches of one prompt decoded together (`decode_groups`): the tail fed to them in one pass at original positions
     start…, the most tokens each decodes, and `streamed`: tokens of a known answer fed after the tail in one pass read
     as if fed one token at a time (`Batch.forward(stream=True)`; one token per pass where the rows cannot stream),
-    where a quantized row resumes decoding; they are not part of what the group returns nor of its cap."""
+    where a quantized row resumes decoding; they are not part of what the group returns nor of its cap. `source`:
+    the tokens its caches hold before the tail, from which drafts are looked up (`_drafted`); None: no drafts."""
 
     caches: list[DynamicCache]
     tail: list[int]
     start: int
     cap: int
     streamed: tuple[int, ...] = ()
+    source: list[int] | tuple[int, ...] | None = None
+
+    def seen(self) -> Lookup | None:
+        """What each of its rows has seen once its tail and streamed tokens are fed (None without a source)."""
+        return None if self.source is None else Lookup([*self.source, *self.tail, *self.streamed])
 
 
 @torch.no_grad()
@@ -125,8 +192,10 @@ def _decode_groups(model, groups: list[Group | tuple],
     for part in [groups] if together else [[g] for g in groups]:
         rows = sum(len(g.caches) for g in part)
         batch, logits = _joined(model, part)
+        seen = [g.seen() for g in part]
+        seen = None if None in seen else [s.copy() for s, g in zip(seen, part) for _ in g.caches]
         out += _continued(batch, logits, [g.cap for g in part for _ in g.caches], eos,
-                          {i - offset: k for i, k in kept.items() if offset <= i < offset + rows})
+                          {i - offset: k for i, k in kept.items() if offset <= i < offset + rows}, seen)
         offset += rows
     answers, start = [], 0
     for g in groups:
@@ -135,9 +204,10 @@ def _decode_groups(model, groups: list[Group | tuple],
     return answers, {i: torch.stack(rows) for i, rows in kept.items()}
 
 
-def _continued(batch: Batch, logits: torch.Tensor, caps: list[int], eos: set[int], kept: dict[int, list]) -> list[list[int]]:
+def _continued(batch: Batch, logits: torch.Tensor, caps: list[int], eos: set[int], kept: dict[int, list],
+               seen: list[Lookup] | None = None) -> list[list[int]]:
     """Each row's answer from `logits` (rows, V), which predict its first new token, decoding on in `batch` until EOS
-    or the row's cap; `kept` as in `_greedy`."""
+    or the row's cap; `kept` and `seen` as in `_greedy`."""
     first = greedy(logits)
     for i, rows in kept.items():
         rows.append(logits[i])
@@ -147,7 +217,8 @@ def _continued(batch: Batch, logits: torch.Tensor, caps: list[int], eos: set[int
         if len(going) < batch.size:
             batch.keep(going)
         rest = _greedy(batch, first[going, None], 0, [caps[i] - 1 for i in going], eos,
-                       {row: kept[i] for row, i in enumerate(going) if i in kept})
+                       {row: kept[i] for row, i in enumerate(going) if i in kept},
+                       None if seen is None else [seen[i] for i in going])
         for i, more in zip(going, rest):
             out[i] += more
     return out
@@ -390,7 +461,7 @@ class Verified:
 @torch.no_grad()
 def verify(
     model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
-    path: list[int] | None = None,
+    path: list[int] | None = None, source: list[int] | None = None,
 ) -> Verified:
     """Every row's answer where it follows the reference's, and the rows that leave it, still to decode (`Verified`'s
     `diverged`; `verified_decode` decodes them at once, kvlab.engine.sample with other samples' diverged rows).
@@ -409,10 +480,12 @@ def verify(
     reference's log-probabilities there (`forced_divergence`: the teacher-forced pass), and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
-    the reference's answer when it was already decoded (`decode_references`, with other prompts' references)."""
+    the reference's answer when it was already decoded (`decode_references`, with other prompts' references).
+    `source`: the prompt's tokens before the tail (its prefill's), from which dense rows' drafts are looked up
+    (`_drafted`); None: no drafts."""
     t0 = time.perf_counter()
     if path is None:
-        (path,), _ = decode_references(model, [(caches[ref], tail, start)], max_new_tokens)
+        (path,), _ = decode_references(model, [(caches[ref], tail, start)], max_new_tokens, sources=[source])
     t1 = time.perf_counter()
     passes = []
     div, logp_ref, choice = forced_divergence(model, caches, tail, path, start, ref, resume=passes)
@@ -441,23 +514,25 @@ def verify(
             (cache, shift), d, token = resumed[i], first[i], int(choice[i, first[i]])
             answers[i] = path[:d] + [token]
             if token not in eos and d + 1 < max_new_tokens:
+                seen = None if source is None else [*source, *tail, *path[:d]]
                 parts.append(Diverged([i], False, answers[i], Group([cache], [token], shift + start + len(tail) + d,
-                                                                    max_new_tokens - d - 1)))
+                                                                    max_new_tokens - d - 1, (), seen)))
     elif dense:  # sliding-window layers: fed the prefix they all share, from the tail
         shared = min(first[i] for i in dense)
         prefix = list(path[:shared])
-        parts.append(Diverged(dense, False, prefix, Group([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared)))
+        parts.append(Diverged(dense, False, prefix, Group([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared,
+                                                          (), source)))
     return Verified(answers, div, logp_ref, first, t1 - t0, t2 - t1, parts)
 
 
 @torch.no_grad()
 def verified_decode(
     model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
-    path: list[int] | None = None,
+    path: list[int] | None = None, source: list[int] | None = None,
 ) -> Verified:
     """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer (`verify`,
     then its diverged rows decoded, each kind as one batch: `decode_diverged`)."""
-    run = verify(model, caches, ref, tail, start, max_new_tokens, path)
+    run = verify(model, caches, ref, tail, start, max_new_tokens, path, source)
     decode_diverged(model, [run])
     return run
 

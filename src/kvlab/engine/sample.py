@@ -124,7 +124,8 @@ def evaluate_samples(
     t0 = time.perf_counter()
     answers, kept = decode_references(model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
                                                plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens,
-                                      keep={n for n, (i, _, _) in enumerate(wanted) if kl and measured(noise_samples, i)})
+                                      keep={n for n, (i, _, _) in enumerate(wanted) if kl and measured(noise_samples, i)},
+                                      sources=[plans[i].bases[key][0].ids for i, key, _ in wanted])
     reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
     paths = dict(zip(wanted, answers))
     steps = {wanted[n]: logits for n, logits in kept.items()}  # the noise floor's one-token steps, already taken
@@ -231,7 +232,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 continue
             div, logp_ref, path, run = [{} for _ in variants], None, None, None
             if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
-                run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)])
+                run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)], source=base.ids)
                 runs.append(run)
                 decoded, decode_s, tf_s = run.answers, None, run.teacher_forced_s
                 if kl and decoded[ref]:
