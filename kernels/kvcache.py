@@ -114,7 +114,7 @@ class QuantizedKVLayer(KVLayer):
         # RoPE tables of the tokens held (pre-RoPE codecs only): a function of position, like a model's
         # rotary cache, kept beside the cache and not counted as KV bytes.
         self.cos = self.sin = None
-        self._decoded: tuple[int, torch.Tensor | None, int, torch.Tensor | None] | None = None  # see _dequantized
+        self._view: dict | None = None  # the full-precision view's buffers (see `_viewed`), a compute cache
 
     @property
     def coded(self) -> tuple[int, int]:
@@ -130,21 +130,46 @@ class QuantizedKVLayer(KVLayer):
         """An independent copy sharing the stored tensors (updates build new tensors, never write in place)."""
         out = copy.copy(self)
         out.stored = {k: dict(v) for k, v in self.stored.items()}
+        out._view = None  # its own buffers (built again at its first read): `full` writes into them
         return out
 
-    def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The codes in full precision (keys, values; None for a tensor with none). Codes are written once and
-        only appended to, and every codec decodes per group or per token, so the tokens decoded at an earlier call
-        are kept (`_decoded`, a compute cache of the dequantizing path, never counted as stored bytes) and only
-        codes added since are decoded: the same values as decoding them all again, without the O(context) work
-        at every step."""
-        done_k, k, done_v, v = self._decoded if self._decoded is not None else (0, None, 0, None)
-        if done_k < self.coded_keys:
-            k = _cat(k, self.decode("key", done_k, self.coded_keys))
-        if done_v < self.coded_values:
-            v = _cat(v, self.decode("value", done_v, self.coded_values))
-        self._decoded = (self.coded_keys, k, self.coded_values, v)
-        return k, v
+    def _viewed(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers (B, H, capacity, D) of keys and values whose first T positions hold the full-precision view of the
+        T tokens held (sinks, dequantized codes, residual, in sequence order), with room for `n` more (shaped like
+        `like`, a 4-d tensor of the layer's: before the first append its residual is still empty). A call writes
+        only what changed since the last: tokens that entered (sinks and residual are full precision) and tokens that
+        entered codes (decoded once where they lie: codes are written once and only appended to, and every codec
+        decodes per group or per token, so these are the values decoding every code again gives). Rebuilding the view
+        at every step (concatenating sinks, codes and residual) cost O(context) per layer and step. The buffers are a
+        compute cache, never counted as stored bytes; room grows by half when used up."""
+        sinks = 0 if self.sink_keys is None else self.sink_keys.shape[-2]
+        held = self.cumulative_length
+        view = self._view
+        if view is None or view["key"].shape[-2] < held + n:
+            room = max(64, n, held // 2)
+            grown = {part: like.new_empty(*like.shape[:2], held + n + room, like.shape[-1]) for part in ("key", "value")}
+            if view is None:
+                view = {**grown, "filled": 0, "final": {"key": 0, "value": 0}}
+            else:
+                for part in ("key", "value"):
+                    grown[part][..., : view["filled"], :] = view[part][..., : view["filled"], :]
+                view = {**view, **grown}
+            self._view = view
+        filled = view["filled"]
+        for part, sink, residual, coded in (("key", self.sink_keys, self.keys, self.coded_keys),
+                                            ("value", self.sink_values, self.values, self.coded_values)):
+            out = view[part]
+            if filled < sinks:
+                out[..., filled:sinks, :] = sink[..., filled:sinks, :]
+            first = sinks + coded  # the residual's first position
+            if held > max(filled, first):
+                out[..., max(filled, first) : held, :] = residual[..., max(filled, first) - first :, :]
+            done = max(view["final"][part], sinks)
+            if first > done:
+                out[..., done:first, :] = self.decode(part, done - sinks, coded)
+            view["final"][part] = first
+        view["filled"] = held
+        return view["key"], view["value"]
 
     def decode(self, part: str, a: int, b: int) -> torch.Tensor:
         """Coded tokens a…b-1 of `part` (key, value) in full precision: the stored units covering them (whole
@@ -161,11 +186,15 @@ class QuantizedKVLayer(KVLayer):
         return codec.decode(block, shape, cos, sin).to(self.dtype)[..., a - lo : b - lo, :]
 
     def full(self, new_keys=None, new_values=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sinks, dequantized codes, residual (and new tokens) in sequence order, full precision."""
-        dk, dv = self._dequantized()
-        ks = [t for t in (self.sink_keys, dk, self.keys, new_keys) if t is not None]
-        vs = [t for t in (self.sink_values, dv, self.values, new_values) if t is not None]
-        return torch.cat(ks, dim=-2), torch.cat(vs, dim=-2)
+        """Sinks, dequantized codes, residual (and new tokens) in sequence order, full precision: views of the layer's
+        buffers (`_viewed`), which its next `full` may rewrite (copy what must outlive it)."""
+        n = 0 if new_keys is None else new_keys.shape[-2]
+        keys, values = self._viewed(n, self.keys if new_keys is None else new_keys)
+        held = self._view["filled"]
+        if n:
+            keys[..., held : held + n, :] = new_keys
+            values[..., held : held + n, :] = new_values
+        return keys[..., : held + n, :], values[..., : held + n, :]
 
     def update(self, key_states, value_states, cache_kwargs: dict | None = None):
         if not self.is_initialized:
@@ -300,7 +329,6 @@ def stack_layers(layers: list) -> QuantizedKVLayer | None:
     if not same or first.spec.rope:
         return None
     out = first.fork()
-    out._decoded = None  # the rows' codes are concatenated below: decode them anew
     for name in _FULL_PRECISION:
         if getattr(first, name) is not None:
             setattr(out, name, torch.cat([getattr(x, name) for x in layers]))
@@ -315,7 +343,6 @@ def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
     """A layer holding only the given batch rows of `layer` (which is not touched)."""
     index = torch.tensor(rows, device=layer.keys.device)
     out = layer.fork()
-    out._decoded = None  # only some rows are kept below: decode them anew
     for name in _FULL_PRECISION:
         if getattr(layer, name) is not None:
             setattr(out, name, getattr(layer, name).index_select(0, index))

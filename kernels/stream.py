@@ -119,8 +119,11 @@ def stream_update(layer: QuantizedKVLayer, key_states: torch.Tensor, value_state
     append (full precision then) or after it (in codes then)."""
     fixed, ways = _layout(layer, key_states.shape[-2])
     keys, values = layer.full(key_states, value_states)
+    plain = len(ways) == 1 and not any(ways[0][:2]) and ways[0][2].numel() == keys.shape[-2] - fixed
+    if not plain:  # `after` below rewrites the layer's view in place: keep the one before the append
+        keys, values = keys.clone(), values.clone()
     layer.append(key_states, value_states, cache_kwargs)
-    if len(ways) == 1 and not any(ways[0][:2]) and ways[0][2].numel() == keys.shape[-2] - fixed:
+    if plain:
         return keys, values  # nothing read dequantized beyond the leading entries: the view as it was
     after = layer.full()
     parts_k, parts_v = [keys[..., :fixed, :]], [values[..., :fixed, :]]

@@ -114,8 +114,9 @@ def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
 
 @pytest.mark.parametrize("name", sorted(STREAM_SPECS))
 def test_codes_decoded_once_equal_decoding_them_all(name):
-    """The dequantizing path keeps the codes it decoded and decodes only new ones: after prefill and many
-    single-token appends (several flushes), the view equals decoding every code from scratch, bit for bit."""
+    """The dequantizing path keeps its view and decodes only codes added since (`_viewed`): after prefill and many
+    single-token updates (several flushes), the view is the sinks, every code decoded from scratch and the residual,
+    bit for bit."""
     spec = STREAM_SPECS[name]()
     keys, values = random_kv(70, seed=3)
     cos, sin = rope_tables(70)
@@ -124,11 +125,22 @@ def test_codes_decoded_once_equal_decoding_them_all(name):
     for t in range(20, 70):
         layer.update(keys[..., t : t + 1, :], values[..., t : t + 1, :], kw(t, t + 1))
     lo = spec.sink_tokens
-    for got, part, codec, n in zip(layer._dequantized(), ("key", "value"), (spec.key, spec.value), layer.coded):
+    view = layer.full()
+    for got, part, codec, n, sinks, residual in zip(view, ("key", "value"), (spec.key, spec.value), layer.coded,
+                                                     (layer.sink_keys, layer.sink_values), (layer.keys, layer.values)):
         shape = (*layer.keys.shape[:2], n, layer.keys.shape[-1])
         tables = (layer.cos[:, lo : lo + n], layer.sin[:, lo : lo + n]) if spec.rope else (None, None)
         every = codec.decode(layer.stored[part], shape, *tables).to(layer.dtype)  # every code at once, as stored
-        assert n > 20 and torch.equal(got, every), part
+        parts = [t for t in (sinks, every, residual) if t is not None]
+        assert n > 20 and got.shape[-2] == 70 and torch.equal(got, torch.cat(parts, dim=-2)), part
+    before = [t.clone() for t in view]
+    fork = layer.fork()  # a fork writes its own view: 30 more tokens in it leave the original's as it was
+    more_k, more_v = random_kv(30, seed=4)
+    rope = dict(zip(("cos", "sin"), rope_tables(100)))
+    for t in range(30):
+        fork.update(more_k[..., t : t + 1, :], more_v[..., t : t + 1, :],
+                    {k: v[:, 70 + t : 71 + t] for k, v in rope.items()} if spec.rope else None)
+    assert fork.full()[0].shape[-2] == 100 and all(torch.equal(a, b) for a, b in zip(layer.full(), before))
 
 
 @pytest.mark.parametrize("prefilled,n", [(21, 30), (40, 17), (8, 9)])
