@@ -38,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--switch", choices=sorted(SWITCHES), required=True)
     ap.add_argument("--task", default="variable_tracking")
+    ap.add_argument("--preset", help="a preset of config.yaml (default: none, the default run)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--dtype", default="bfloat16")
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--out", help="default: results/bench/{switch}_ab.parquet")
     args = ap.parse_args()
     name, ways = SWITCHES[args.switch]
-    spec, run = job_settings(ROOT / "config.yaml", args.task, None)
+    spec, run = job_settings(ROOT / "config.yaml", args.task, args.preset)
     run["methods"] = with_calibration(run["methods"], ROOT / "results/calibration/qwen2.5-0.5b")
     torch.set_num_threads(run["threads"])
     model, tokenizer = load_model(ROOT / "resources/models/qwen2.5-0.5b", args.dtype, "cpu")
@@ -69,7 +70,7 @@ def main() -> None:
             out.append({"switch": args.switch, "way": way, "round": round_, "wall_s": time.perf_counter() - t0})
     setattr(decode, name, list(ways.values())[-1])
     differ = sum(a != b for a, b in zip(*answers.values()))
-    rows = pd.DataFrame(out).assign(task=args.task, context_tokens=args.ctx, samples=len(samples), noise_samples=noise,
+    rows = pd.DataFrame(out).assign(task=args.task, preset=args.preset or "default", context_tokens=args.ctx, samples=len(samples), noise_samples=noise,
                                     dtype=args.dtype, rows=len(next(iter(answers.values()))), answers_differ=differ,
                                     threads=run["threads"], device=device_name("cpu"),
                                     cpu_kind="bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)")

@@ -1063,8 +1063,9 @@ def test_lookup_drafts_what_followed_the_longest_suffix_seen_before():
 
 def test_drafted_decoding_gives_the_stepwise_answers_in_fewer_passes(tiny, sharp, monkeypatch):
     """Groups with a `source` decode with drafts looked up in it (`_drafted`): rows of different prompts, compressions
-    (evicted, re-rotated, masked per head, cross-layer shared) and positions, fed drafts that are right, wrong or absent, each take back what they reject (`Batch.reject`) and
-    answer as one-token steps do; right drafts save passes. Rows of quantized caches and kept logits get no drafts."""
+    (evicted, re-rotated, masked per head, cross-layer shared) and positions, fed drafts that are right, wrong or
+    absent, each take back what they reject (`Batch.reject`) and answer as one-token steps do; right drafts save
+    passes. Rows of quantized caches and kept logits get no drafts."""
     from kvlab.engine import decode_groups
     from kvlab.engine.decode import Group, decode_references
 
