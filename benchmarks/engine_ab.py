@@ -22,7 +22,7 @@ import torch
 from kvlab.bench_eval import job_settings
 from kvlab.engine import decode, evaluate_samples
 from kvlab.evaluate import load_model, noise_samples
-from kvlab.hardware import bf16_matmul_native, device_name
+from kvlab.hardware import cpu_kind, device_name
 from kvlab.io import write_parquet
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
@@ -73,7 +73,7 @@ def main() -> None:
     rows = pd.DataFrame(out).assign(task=args.task, preset=args.preset or "default", context_tokens=args.ctx, samples=len(samples), noise_samples=noise,
                                     dtype=args.dtype, rows=len(next(iter(answers.values()))), answers_differ=differ,
                                     threads=run["threads"], device=device_name("cpu"),
-                                    cpu_kind="bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)")
+                                    cpu_kind=cpu_kind("cpu"))
     write_parquet(rows, args.out or str(ROOT / f"results/bench/{args.switch}_ab.parquet"))
     print(rows.to_string(index=False))
 

@@ -17,7 +17,7 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.hardware import bf16_matmul_native, device_name
+from kvlab.hardware import cpu_kind, device_name
 from kvlab.io import write_parquet
 from kvlab.kernels.linear import PackedLinear, packable
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                              "max_abs_diff": diff})
                 print(f"{name} {weight_name} {m:4d} rows: linear {plain_s * 1e3:8.3f} ms, packed {packed_s * 1e3:8.3f} ms")
     out = pd.DataFrame(rows).assign(threads=torch.get_num_threads(), device=device_name("cpu"),
-                                    cpu_kind="bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)")
+                                    cpu_kind=cpu_kind("cpu"))
     write_parquet(out, args.out)
     return out
 

@@ -40,6 +40,11 @@ def bf16_matmul_native(device: str) -> bool:
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
 
 
+def cpu_kind(device: str) -> str:
+    """The kind rows name beside a time: bf16-capable, or fp32 only (the speeds of the two differ severalfold)."""
+    return "bf16-capable" if bf16_matmul_native(device) else "fp32 only (no AVX512-BF16 or AMX)"
+
+
 def other_dtype(dtype: str, device: str) -> str | None:
     """The compute dtype a run's noise floor is measured against (config `dtype_floor`): float32 beside a half-precision
     run; bfloat16 beside a float32 run where bf16 matmuls are native; None where they are not (an emulated bf16 pass

@@ -59,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
 from kvlab.evaluate import load_model, noise_samples, samples_at_once
-from kvlab.hardware import bf16_matmul_native, device_name
+from kvlab.hardware import cpu_kind, device_name
 from kvlab.io import write_parquet
 from kvlab.kernels.linear import PackedLinear, packable
 from kvlab.methods import variants, with_calibration
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                                          "share": 1.0}])], ignore_index=True)
     out = out.assign(task=args.task, context_tokens=args.ctx, samples=len(samples), profiled_samples=len(profiled),
                      rows=len(rows), variants=len(grid), dtype=dtype, threads=run["threads"], device=device_name(run["device"]),
-                     cpu_kind="bf16-capable" if bf16_matmul_native(run["device"]) else "fp32 only (no AVX512-BF16 or AMX)")
+                     cpu_kind=cpu_kind(run["device"]))
     write_parquet(out, args.out)
     print(out[["kind", "name", "seconds", "calls", "share", "value"]].to_string(index=False))
     return out
