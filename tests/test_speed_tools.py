@@ -183,3 +183,21 @@ def test_attention_products_are_the_pairs_each_mask_lets_through():
     assert roof["matmul_floor_s"]["seconds"] == pytest.approx(2.0)
     assert roof["matmul_attention_floor_s"]["seconds"] == pytest.approx(5.0) and roof["attention_gflop"]["calls"] == 1
     assert roof["wall_over_matmul_attention_floor"]["value"] == pytest.approx(2.0)
+
+
+def _faults_writing(mb: int) -> int:
+    """Minor page faults of allocating an `mb` MB tensor and writing every byte of it."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(mb << 20, dtype=torch.uint8).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not Path("/proc/self").exists(), reason="glibc's mallopt and page-fault counts: Linux")
+def test_freed_memory_is_reused_without_page_faults():
+    """A freed 256 MB block (above glibc's largest mmap threshold) comes back to the next allocation with its pages
+    still mapped: without `keep_freed_memory` each allocation maps 65,536 fresh 4 KB pages and faults on every one."""
+    assert hardware.keep_freed_memory()
+    _faults_writing(256)  # the first allocation grows the heap: its pages fault once
+    assert _faults_writing(256) < 1_000

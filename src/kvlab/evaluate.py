@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from kvlab import resume
 from kvlab.engine import evaluate_samples
-from kvlab.hardware import device_name, other_dtype
+from kvlab.hardware import device_name, keep_freed_memory, other_dtype
 from kvlab.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
@@ -50,9 +50,13 @@ def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = Tr
 def ready(model, device: str):
     """`model` in eval mode on `device`; on a CPU its linear layers packed for oneDNN (kvlab.kernels.linear: a
     decode step's few rows stream packed weights faster), every other weight copied off the weights file's memory
-    map, which then closes (the pages the packing read would otherwise stay resident beside their packed copies)."""
+    map, which then closes (the pages the packing read would otherwise stay resident beside their packed copies); the
+    process then keeps the memory it frees for reuse (`hardware.keep_freed_memory`: no page faults on every large
+    temporary)."""
     from kvlab.kernels.linear import pack_linears
 
+    if device == "cpu":
+        keep_freed_memory()
     model = model.to(device).eval()
     if pack_linears(model):  # none on a GPU (`packable`)
         for p in model.parameters():

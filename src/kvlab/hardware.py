@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ctypes
 import platform
 
 import torch
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 
 
 def device_name(device: str) -> str:
@@ -60,3 +64,21 @@ def compute_dtype(requested: str, device: str) -> str:
     if requested != "auto":
         return requested
     return "bfloat16" if bf16_matmul_native(device) else "float32"
+
+
+def keep_freed_memory() -> bool:
+    """Let this process reuse the memory it frees instead of handing it back to the kernel (glibc only; False
+    elsewhere, and nothing changes). glibc serves a large block from a fresh memory map (above 128 KB until a freed
+    one raises that threshold, and always above 32 MB) and unmaps it when freed, so each of the engine's large
+    temporaries (a teacher-forced batch's logits, 0.5 GB at 1,600 rows of Qwen's 152K vocabulary; its KV
+    concatenations; attention's buffers) lands in pages the kernel must map and zero again: 370K page faults in
+    three prose_kl samples, 19% of their wall time on a 2-core AMX Xeon in bf16 (33.5 -> 27.1 s, the same rows; peak
+    RSS 4.9 -> 5.2 GB). With no maps, and the heap trimmed only past 2 GB free at its top, a freed block is reused as
+    it is. CPU inference servers get the same reuse from a caching allocator preloaded into the process (jemalloc,
+    tcmalloc); mallopt gives it from inside the job, with nothing to install or preload."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
