@@ -288,13 +288,13 @@ def teacher_forced(
     needs only the KL and NLL of each row, and the reference row's log-probabilities: `forced_divergence`, which
     keeps no (B, len(path), V) block."""
     out = choice = None
-    for group, logits, _ in _forced_logits(model, caches, tail, path, start, stream):
+    for group, pieces, _ in _forced_logits(model, caches, tail, path, start, stream):
         if out is None:
-            out = torch.empty(len(caches), *logits.shape[1:], dtype=torch.float32, device=logits.device)
-            choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
+            out = torch.empty(len(caches), len(path), pieces[0].shape[-1], dtype=torch.float32, device=pieces[0].device)
+            choice = torch.empty(len(caches), len(path), dtype=torch.long, device=pieces[0].device)
         for j, row in enumerate(group):
-            _log_softmax_into(out[row], logits[j])
-        choice[group] = greedy(logits)
+            _log_softmax_into(out[row], [piece[j] for piece in pieces])
+        choice[group] = _greedy_along(pieces)
     return out, choice
 
 
@@ -313,30 +313,32 @@ def forced_divergence(
     holding `tail` + `path[:-1]` (`verify` resumes the rows that leave `path` from there)."""
     kl, nll = [None] * len(caches), [None] * len(caches)
     logp_ref = p_ref = choice = None
-    for group, logits, batch in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
+    for group, pieces, batch in _forced_logits(model, caches, tail, path, start, stream, first=ref):  # ref's group first
         if resume is not None and not stepwise(caches[group[0]]):
             resume.append((group, batch))
         with record_function("kvlab.divergence"):
             if logp_ref is None:
-                logp_ref = torch.empty(logits.shape[1:], dtype=torch.float32, device=logits.device)
-                _log_softmax_into(logp_ref, logits[group.index(ref)])
+                device = pieces[0].device
+                logp_ref = torch.empty(len(path), pieces[0].shape[-1], dtype=torch.float32, device=device)
+                _log_softmax_into(logp_ref, [piece[group.index(ref)] for piece in pieces])
                 p_ref = logp_ref.exp()
                 row, scratch = torch.empty_like(logp_ref), torch.empty_like(logp_ref)
-                target = torch.tensor(path, device=logits.device)[:, None]
-                choice = torch.empty(len(caches), len(path), dtype=torch.long, device=logits.device)
+                target = torch.tensor(path, device=device)[:, None]
+                choice = torch.empty(len(caches), len(path), dtype=torch.long, device=device)
             for j, i in enumerate(group):
-                _log_softmax_into(row, logits[j])
+                _log_softmax_into(row, [piece[j] for piece in pieces])
                 kl[i], nll[i] = _kl_terms(logp_ref, p_ref, row, scratch), -row.gather(-1, target)[:, 0]
-            choice[group] = greedy(logits)
-        del logits, batch
+            choice[group] = _greedy_along(pieces)
+        del pieces, batch
     return _divergence_rows(torch.stack(kl).clamp_min(0), torch.stack(nll), path), logp_ref, choice
 
 
 def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool,
                    first: int | None = None):
-    """Per kind of feeding (see `teacher_forced`): the rows fed that way, their logits (rows, len(path), V) along
-    `path`, and their batch after the pass. Dense rows are fed in batches of similar length (`length_buckets`). The
-    batch holding row `first` comes first."""
+    """Per kind of feeding (see `teacher_forced`): the rows fed that way, their logits along `path` as the passes
+    gave them (pieces (rows, n, V) whose n add up to len(path), in order: not joined into one block, a copy that took
+    0.4 s per prose_kl sample for its quantized rows' 0.5 GB), and their batch after the pass. Dense rows are fed in
+    batches of similar length (`length_buckets`). The batch holding row `first` comes first."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
     how = ["dense" if not stepwise(c) else "stream" if stream and streams(c) else "steps" for c in caches]
@@ -356,19 +358,17 @@ def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: lis
         ids = torch.tensor([tail + path[:-1]] * batch.size, device=model.device)
         first_path = len(tail)  # the tail's last logits predict path[0]
         if kind == "dense":
-            logits = batch.forward(ids, start, logits_to_keep=len(path))
+            pieces = [batch.forward(ids, start, logits_to_keep=len(path))]
         elif kind == "stream":  # the tail as a prefill chunk (as decoding feeds it), then the path in one pass
-            steps = [batch.forward(ids[:, :first_path], start)]
+            pieces = [batch.forward(ids[:, :first_path], start)]
             if ids.shape[1] > first_path:
-                steps.append(batch.forward(ids[:, first_path:], start + first_path, logits_to_keep=ids.shape[1] - first_path,
-                                           stream=True))
-            logits = torch.cat(steps, dim=1)
+                pieces.append(batch.forward(ids[:, first_path:], start + first_path, logits_to_keep=ids.shape[1] - first_path,
+                                            stream=True))
         else:
-            steps = [batch.forward(ids[:, :first_path], start)]
-            steps += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
-            logits = torch.cat(steps, dim=1)
-        yield group, logits, batch
-        logits = steps = batch = None  # freed before the next batch's pass, once the caller lets go of its own
+            pieces = [batch.forward(ids[:, :first_path], start)]
+            pieces += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
+        yield group, pieces, batch
+        pieces = batch = None  # freed before the next batch's pass, once the caller lets go of its own
 
 
 # A dense teacher-forced batch is right-padded to its longest row, and SDPA computes the padding it masks: rows of a
@@ -403,12 +403,21 @@ def length_buckets(held: list[float], fed: int, pass_pairs: int, min_tokens: int
     return out[::-1]
 
 
-def _log_softmax_into(out: torch.Tensor, logits: torch.Tensor) -> None:
-    """`out` = log_softmax(logits) in float32: the row cast into `out` and normalized there in place (no float
-    temporary, no copy of the result; bitwise what log_softmax of the float copy gives). One row at a time: a (rows,
-    T, vocabulary) float32 temporary would hold several GB at 50 rows of Qwen's 152K vocabulary."""
-    out.copy_(logits)
+def _log_softmax_into(out: torch.Tensor, pieces: list[torch.Tensor]) -> None:
+    """`out` (T, V) = log_softmax of one row's logits, given as consecutive pieces (n, V) along T, in float32: the
+    pieces cast into `out` and normalized there in place (no float temporary, no joined copy of the logits; bitwise
+    what log_softmax of the float copy of the joined logits gives). One row at a time: a (rows, T, vocabulary)
+    float32 temporary would hold several GB at 50 rows of Qwen's 152K vocabulary."""
+    at = 0
+    for piece in pieces:
+        out[at : at + piece.shape[0]].copy_(piece)
+        at += piece.shape[0]
     torch.log_softmax(out, dim=-1, out=out)
+
+
+def _greedy_along(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """`greedy` of logits given as consecutive pieces (rows, n, V) along the path: (rows, sum of n)."""
+    return torch.cat([greedy(piece) for piece in pieces], dim=1)
 
 
 def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
