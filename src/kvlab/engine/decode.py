@@ -336,8 +336,8 @@ def forced_divergence(
 def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, stream: bool,
                    first: int | None = None):
     """Per kind of feeding (see `teacher_forced`): the rows fed that way, their logits along `path` as the passes
-    gave them (pieces (rows, n, V) whose n add up to len(path), in order: not joined into one block, a copy that took
-    0.4 s per prose_kl sample for its quantized rows' 0.5 GB), and their batch after the pass. Dense rows are fed in
+    gave them (pieces (rows, n, V) whose n add up to len(path), in order: not joined into one block, which for a
+    prose_kl sample's quantized rows was a 0.47 GB copy held beside its pieces), and their batch after the pass. Dense rows are fed in
     batches of similar length (`length_buckets`). The batch holding row `first` comes first."""
     if not tail:
         raise ValueError("teacher forcing needs at least one tail token after the cache (its logits predict path[0])")
@@ -359,14 +359,13 @@ def _forced_logits(model, caches: list[DynamicCache], tail: list[int], path: lis
         first_path = len(tail)  # the tail's last logits predict path[0]
         if kind == "dense":
             pieces = [batch.forward(ids, start, logits_to_keep=len(path))]
-        elif kind == "stream":  # the tail as a prefill chunk (as decoding feeds it), then the path in one pass
+        else:  # the tail as a prefill chunk (as decoding feeds it), then the path in one streamed pass or token by token
             pieces = [batch.forward(ids[:, :first_path], start)]
-            if ids.shape[1] > first_path:
+            if kind == "stream" and ids.shape[1] > first_path:
                 pieces.append(batch.forward(ids[:, first_path:], start + first_path, logits_to_keep=ids.shape[1] - first_path,
                                             stream=True))
-        else:
-            pieces = [batch.forward(ids[:, :first_path], start)]
-            pieces += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
+            elif kind == "steps":
+                pieces += [batch.forward(ids[:, i : i + 1], start + i) for i in range(first_path, ids.shape[1])]
         yield group, pieces, batch
         pieces = batch = None  # freed before the next batch's pass, once the caller lets go of its own
 
