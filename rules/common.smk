@@ -36,13 +36,16 @@ def eval_rows():
 
 
 def speed_rows():
-    """Throughput and the engine-vs-pipeline benchmark per (model, context length); on CUDA, the decode kernels."""
+    """The speed jobs `speed_benchmarks` lists: throughput and the engine-vs-pipeline benchmark per (model, context
+    length); on CUDA, the decode kernels. None with `speed_benchmarks: []` (a workload-only run)."""
+    wanted = config["speed_benchmarks"]
     return [
         f"results/speed/{kind}/{model}/{ctx}.parquet"
         for kind, lengths in (("throughput", config["throughput"]["context_tokens"]), ("engine_vs_pipeline", config["benchmark"]["context_tokens"]))
+        if kind in wanted
         for model in EVALUATED
         for ctx in lengths
-    ] + [f"results/speed/decode_kernels/{model}.parquet" for model in EVALUATED if config["device"] == "cuda"]
+    ] + [f"results/speed/decode_kernels/{model}.parquet" for model in EVALUATED if config["device"] == "cuda" and "decode_kernels" in wanted]
 
 
 def calibration_tables():

@@ -1,6 +1,7 @@
 """The whole workflow on the tiny model in a temp directory: every rule runs, rows land in DuckDB,
 the report is written, and a second run has nothing to do."""
 
+import json
 import os
 import re
 import shutil
@@ -15,7 +16,7 @@ import psutil
 import pytest
 import yaml
 
-from conftest import job_counts, snakemake
+from conftest import job_counts, snakemake, workflow_copy
 from kvlab.compare_runs import compare
 from kvlab.config import CALIBRATION_TABLES, resolve
 from kvlab.kernels.block_sparse import read_tokens
@@ -161,6 +162,39 @@ def test_default_preset_plans_the_whole_dag(smoke_run):
     out = proc.stdout + proc.stderr
     for rule in ("acquire_model", "calibrate", "evaluate", "throughput", "engine_vs_pipeline", "cost_table", "collect", "report"):
         assert rule in out
+
+
+# A run of only the user's workload: acquire, calibrate, its evaluation (and the recipe writing its file, for qa_mix),
+# then the report's own steps; no speed benchmark and no needle job.
+WORKLOAD_ONLY = {"acquire_model", "calibrate", "workload", "evaluate", "cost_table", "collect", "report"}
+
+
+def test_workload_preset_plans_only_its_own_jobs(tmp_path):
+    work = workflow_copy(tmp_path / "w")
+    proc = snakemake(work, "results/report.html", "-n", "--quiet", "rules", "--config", "preset=workload")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert set(counts) == WORKLOAD_ONLY and counts["evaluate"] == 1, counts
+
+
+def test_a_preset_of_only_a_dataset_task_plans_no_speed_jobs(tmp_path):
+    """A user's preset whose only task is their file (no niah task for benchmark.task), extending the workload preset
+    (`speed_benchmarks: []`), is accepted and plans acquire, calibrate and that task's evaluate job (tests/test_config.py:
+    with the engine-vs-pipeline benchmark left on, it is refused with the line that says how to turn it off)."""
+    work = workflow_copy(tmp_path / "w")
+    (work / "data").mkdir()
+    rows = [{"context": f"Ticket {i}: the printer in room {i} is out of toner.", "question": f"Which room is ticket {i} about?",
+             "answers": [str(i)]} for i in range(6)]
+    (work / "data" / "tickets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    tickets = {"kind": "dataset", "path": "data/tickets.jsonl", "metric": "qa_f1", "samples": 6, "context_tokens": [0],
+               "template": "Answer with the room number alone.\n\n{context}\n\nQuestion: {question}"}
+    config["presets"]["mine"] = {"extends": "workload", "replace": ["tasks"], "tasks": {"tickets": tickets}}
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    proc = snakemake(work, "results/report.html", "-n", "--quiet", "rules", "--config", "preset=mine")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert set(counts) == WORKLOAD_ONLY - {"workload"} and counts["evaluate"] == 1, counts
 
 
 def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path):

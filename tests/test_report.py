@@ -533,3 +533,25 @@ def test_two_bit_ablation_gives_a_paired_drop_interval():
         assert (row["drop_low"], row["drop_high"]) == pytest.approx((b.low, b.high))
         assert row["drop_low"] < row["drop_points"] < row["drop_high"]
     assert table.loc["token", "drop_low"] > table.loc["channel", "drop_high"]  # 36 of 60 lost is told from 3 of 60
+
+
+def test_speed_sections_say_not_run_when_the_run_left_them_out():
+    """A run with `speed_benchmarks: []` collects empty throughput and engine_vs_pipeline tables, typed
+    (kvlab.columns): the report's queries still run on them, and their sections say the jobs were not run."""
+    import duckdb
+
+    from kvlab.collect import _concat
+    from kvlab.columns import ENGINE_VS_PIPELINE_COLUMNS, THROUGHPUT_COLUMNS
+    from kvlab.report.sections import engine, throughput
+
+    queries = load_queries()
+    con = duckdb.connect()
+    for name, columns in (("throughput", THROUGHPUT_COLUMNS), ("engine_vs_pipeline", ENGINE_VS_PIPELINE_COLUMNS)):
+        con.register("frame", _concat([], columns))
+        con.execute(f"CREATE TABLE {name} AS SELECT * FROM frame")
+        con.unregister("frame")
+    q = {name: con.execute(queries[name]).df() for name in ("throughput", "engine_vs_pipeline")}
+    assert all(frame.empty for frame in q.values())
+    for section, job in ((throughput, "throughput"), (engine, "engine_vs_pipeline")):
+        text = section.body(q, Rule())
+        assert f"<b>Not run</b>: this run's <code>speed_benchmarks</code> leaves out <code>{job}</code>" in text

@@ -11,7 +11,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from kvlab.columns import DECODE_KERNEL_COLUMNS, EVAL_COLUMNS
+from kvlab.columns import DECODE_KERNEL_COLUMNS, ENGINE_VS_PIPELINE_COLUMNS, EVAL_COLUMNS, THROUGHPUT_COLUMNS
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path, read_parquet
 from kvlab.models.card import read_card
@@ -78,8 +78,8 @@ def build(
     )
     tables = {
         "eval": _with_columns(_concat(eval_files), EVAL_COLUMNS),
-        "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)]),
-        "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)]),
+        "throughput": _concat([f for f in speed_files if "/throughput/" in str(f)], THROUGHPUT_COLUMNS),
+        "engine_vs_pipeline": _concat([f for f in speed_files if "/engine_vs_pipeline/" in str(f)], ENGINE_VS_PIPELINE_COLUMNS),
         "decode_kernels": _concat([f for f in speed_files if "/decode_kernels/" in str(f)], DECODE_KERNEL_COLUMNS),
         **{
             f"calib_{name}": _concat([f for f in calibration_files if Path(f).stem == name])

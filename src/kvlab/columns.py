@@ -7,6 +7,20 @@ DECODE_KERNEL_COLUMNS = {
     "call_ms": "float64", "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
 }
 
+# kvlab.benchmark's rows: empty in runs whose `speed_benchmarks` leaves the job out (a workload-only run).
+THROUGHPUT_COLUMNS = {
+    "model": "string", "context_tokens": "int64", "method": "string", "budget": "float64", "batch": "int64",
+    "new_tokens": "int64", "decode_s": "float64", "tokens_per_s": "float64", "graph_step_ms": "float64",
+    "graph_tokens_per_s": "float64", "prefill_s": "float64", "kv_bytes": "int64", "kv_tokens_mean": "float64",
+    "decode_path": "string", "dtype": "string", "device": "string",
+}
+ENGINE_VS_PIPELINE_COLUMNS = {
+    "model": "string", "task": "string", "context_tokens": "int64", "samples": "int64", "variants": "int64",
+    "question_modes": "string", "max_new_tokens": "int64", "engine_s": "float64", "pipeline_s": "float64",
+    "speedup": "float64", "engine_agnostic_s": "float64", "pipeline_agnostic_s": "float64", "speedup_agnostic": "float64",
+    "agreement_agnostic": "float64", "agreement_aware": "float64", "dtype": "string", "device": "string",
+}
+
 # Eval columns later kvlab versions added, typed so the report's queries run on rows written before them.
 EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl": "float64", "dtype_noise_kl_max": "float64",
                 "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64",

@@ -4,12 +4,15 @@ import pandas as pd
 
 from kvlab.report.decision import Rule
 from kvlab.report.html import table
+from kvlab.report.sections.throughput import NOT_RUN
 
 TITLE = "Engine vs kvpress pipeline"
 QUERIES = ("engine_vs_pipeline",)
 
 
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    if q["engine_vs_pipeline"].empty:
+        return NOT_RUN.format(job="engine_vs_pipeline")
     return (
         "<p>The same samples, variants and question modes. kvlab's engine prefills each sample once "
         "(the question-aware prefill continues the agnostic one), compresses a copy of the cache per variant, "

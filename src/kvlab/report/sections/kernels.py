@@ -39,5 +39,6 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     )
     if rows.empty:
         return intro + ("<p><b>Not measured in this run</b>: the kernel benchmark runs when config.yaml sets "
-                        "<code>device: cuda</code> (without a GPU, Triton only interprets its kernels).</p>")
+                        "<code>device: cuda</code> (without a GPU, Triton only interprets its kernels) and "
+                        "<code>speed_benchmarks</code> lists <code>decode_kernels</code> (it does by default).</p>")
     return intro + charts(rows) + table(rows)

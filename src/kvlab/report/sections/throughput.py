@@ -21,7 +21,13 @@ def chart(speed: pd.DataFrame) -> alt.TopLevelMixin:
     ).properties(width=420, height=240).facet(column=alt.Column("device:N", title="device"), row=alt.Row("batch:O", title="batch"))
 
 
+NOT_RUN = ("<p><b>Not run</b>: this run's <code>speed_benchmarks</code> leaves out <code>{job}</code> (a run of only "
+           "its evaluation jobs); list it there to measure it.</p>")
+
+
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
+    if q["throughput"].empty:
+        return NOT_RUN.format(job="throughput")
     return (
         "<p>Greedy decoding after each method's compression (EOS ignored, so every method decodes "
         "the same number of steps), labelled with the device it ran on; a batch is that many copies of the "
