@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import ConfigError, resolve
+from kvlab.config import ConfigError, expand, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
@@ -103,21 +103,110 @@ def test_preset_replaces_top_level_keys(config):
     assert out["methods"]["streaming_llm"]["kwargs"] == {"n_sink": "calibrated"}
 
 
-def test_every_preset_expands_as_before_overlays(config):
-    """Presets became overlays (extends, replace, methods_add / _drop / _tasks, key-by-key merge) in place of whole
-    top-level keys. Each preset's effective config (validated, defaults filled) equals the one the whole-key presets
-    gave, stored in tests/data/presets_expanded.json. Changing a preset on purpose changes this file: rewrite it with
-    python -c "import json, yaml; from kvlab.config import expand; c = yaml.safe_load(open('config.yaml'));
-    json.dump({n: expand(c, 'workflow/config.schema.yaml', n) for n in ['default', *c['presets']]},
-    open('tests/data/presets_expanded.json', 'w'), sort_keys=True, indent=0)"."""
-    import json
+PRESETS = list(yaml.safe_load((ROOT / "config.yaml").read_text())["presets"])
 
-    from kvlab.config import expand
 
-    before = json.loads((ROOT / "tests" / "data" / "presets_expanded.json").read_text())
-    assert set(before) == {"default", *config["presets"]}
-    for name, old in before.items():
-        assert json.loads(json.dumps(expand(config, SCHEMA, name), sort_keys=True)) == old, name
+def _given(out, given, where):
+    """`out` is what a preset `given`, validated: the same values, defaults filled in inside its mappings."""
+    if isinstance(given, dict):
+        assert isinstance(out, dict), where
+        for key, value in given.items():
+            _given(out[key], value, f"{where}.{key}")
+    else:
+        assert out == given, where
+
+
+def _merged(out, base, change, where):
+    """`change` merged into `base` (with_preset's rule): mappings key by key, recursively; a list or a value replaces;
+    every key of `base` that `change` does not set is kept as it was."""
+    if not (isinstance(base, dict) and isinstance(change, dict)):
+        return _given(out, change, where)
+    assert list(out)[:len(base)] == list(base) and set(out) == set(base) | set(change), where  # base's order, then new keys
+    for key in out:
+        if key in change:
+            _merged(out[key], base.get(key), change[key], f"{where}.{key}")
+        else:
+            assert out[key] == base[key], f"{where}.{key}"
+
+
+def _base(config, name):
+    """The expanded config preset `name` lies over: the one it extends, or for default the top level alone."""
+    if name == "default":
+        return expand({**config, "presets": {}}, SCHEMA, "default")
+    return expand(config, SCHEMA, (config["presets"][name] or {}).get("extends", "default"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_a_preset_is_its_base_with_its_keys_laid_over(config, name):
+    """What config.yaml's `presets:` and with_preset promise, on each shipped preset's expansion (validated,
+    defaults filled): a key it lists in `replace` is its own value whole; any other key it sets is merged into its
+    base's; a key it does not set is its base's, unchanged; methods_drop / _add / _tasks move methods last."""
+    _assert_laid_over(config, name)
+
+
+def test_a_preset_merges_mappings_key_by_key_and_replaces_lists(config):
+    """No shipped preset changes only part of a mapping whose other keys differ from the schema's defaults (where
+    merging and replacing whole give the same expansion); this one does, in a task, a method and the decision."""
+    config["presets"]["mine"] = {"tasks": {"niah_single": {"samples": 7, "depths": [0.5]}}, "decision": {"kl_safe": 0.02},
+                                 "methods": {"snapkv": {"kwargs": {"window_size": 16}}}, "budgets": [0.5]}
+    _assert_laid_over(config, "mine")
+    base, out = expand(config, SCHEMA, "default"), expand(config, SCHEMA, "mine")
+    assert out["tasks"] == {**base["tasks"], "niah_single": {**base["tasks"]["niah_single"], "samples": 7, "depths": [0.5]}}
+    assert out["methods"]["snapkv"] == {**base["methods"]["snapkv"], "kwargs": {"window_size": 16, "kernel_size": 5}}
+    assert out["decision"] == {**base["decision"], "kl_safe": 0.02} and out["budgets"] == [0.5]
+
+
+def _assert_laid_over(config, name):
+    preset = config["presets"][name] or {}
+    base, out = _base(config, name), expand(config, SCHEMA, name)
+    assert out["preset"] == name and set(out) == set(base)
+    for key in set(out) - {"preset", "methods"}:
+        if key in preset.get("replace", []):
+            _given(out[key], preset[key], key)
+            assert not isinstance(preset[key], dict) or list(out[key]) == list(preset[key]), key  # nothing of the base kept
+        elif key in preset:
+            _merged(out[key], base[key], preset[key], key)
+        else:
+            assert out[key] == base[key], key
+    methods = preset.get("methods")
+    if "methods" in preset.get("replace", []):
+        before = {m: out["methods"][m] for m in methods}
+        _given(before, methods, "methods")
+    else:
+        before = {**base["methods"], **{m: out["methods"][m] for m in methods or {}}}
+        if methods:
+            _merged(before, base["methods"], methods, "methods")
+    drop, add, retask = preset.get("methods_drop", []), preset.get("methods_add", {}), preset.get("methods_tasks", {})
+    assert set(drop) <= set(before) and not set(add) & set(before), "methods_drop names a method, methods_add a new one"
+    assert list(out["methods"]) == [m for m in before if m not in drop] + list(add)
+    for m, spec in out["methods"].items():
+        if m in retask:
+            assert spec.get("tasks", "all") == retask[m] and {**spec, "tasks": 0} == {**(before | add)[m], "tasks": 0}, m
+        elif m in add:
+            _given(spec, add[m], f"methods_add.{m}")
+        else:
+            assert spec == before[m], m
+
+
+@pytest.mark.parametrize("name", ["default", *PRESETS])
+def test_every_name_a_preset_gives_exists(config, name):
+    """Each preset validates on its own, and every task it names (a method's `tasks`, methods_tasks, the dtype floor,
+    and the engine-vs-pipeline benchmark where it runs) is one of its tasks."""
+    out = resolve({**config, "preset": name}, SCHEMA)
+    assert out["preset"] == name
+    retask = (config["presets"].get(name) or {}).get("methods_tasks", {})
+    named = {t for m in out["methods"].values() for t in m.get("tasks", [])}
+    named |= {t for each in retask.values() if each != "all" for t in each} | set(out["dtype_floor"]["tasks"])
+    if "engine_vs_pipeline" in out.get("speed_benchmarks", ["engine_vs_pipeline"]):
+        named.add(out["benchmark"]["task"])
+    assert named <= set(out["tasks"])
+
+
+def test_smoke_runs_the_tiny_model_alone_in_fp32(config):
+    """The smoke preset is its own world: one tiny random model (no download), exact in fp32, every method of its own."""
+    out = expand(config, SCHEMA, "smoke")
+    assert [(m["source"], m["evaluate"]) for m in out["models"].values()] == [("tiny", True)]
+    assert out["dtype"] == "float32" and list(out["methods"]) == list(config["presets"]["smoke"]["methods"])
 
 
 def test_overlays_add_drop_retask_merge_and_extend(config):
