@@ -57,6 +57,10 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     assert phases.loc["decode_reference", "calls"] == 1 and phases.loc["noise_floor", "calls"] == 0
     assert phases.loc["teacher_forced", "calls"] == 2
     assert phases.loc["forward", "seconds"] > 0 and phases.loc["rows_update", "calls"] > 0  # quantized rows
+    # the forward phase times the engine's batched passes (Batch.forward) whole: the masks they build and the
+    # quantized rows' updates they run happen inside them and nowhere else (once it timed only `streamable`)
+    inside = phases.loc["masks", "seconds"] + phases.loc["rows_update", "seconds"]
+    assert phases.loc["masks", "calls"] > 0 and phases.loc["forward", "seconds"] >= inside
     wall = out.set_index("name").loc["profiled_wall_s", "seconds"]
     assert (phases["seconds"] <= wall).all()
     ops = out[out["kind"] == "operator"]

@@ -44,7 +44,7 @@ def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = Tr
         verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
-    return (ready(model, device) if pack else model.to(device).eval()), tokenizer
+    return (ready(model, device) if pack else model.to(device).eval().requires_grad_(False)), tokenizer
 
 
 def ready(model, device: str):
@@ -57,7 +57,7 @@ def ready(model, device: str):
 
     if device == "cpu":
         keep_freed_memory()
-    model = model.to(device).eval()
+    model = model.to(device).eval().requires_grad_(False)  # inference only: no pass records a graph for its weights
     if pack_linears(model):  # none on a GPU (`packable`)
         for p in model.parameters():
             p.data = p.data.clone()

@@ -420,12 +420,12 @@ class Batch:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
-    @torch.no_grad()
-    @record_function("kvlab.forward")
     def streamable(self) -> bool:
         """Whether `forward(..., stream=True)` can feed these rows (see `Rows.streamable`)."""
         return all(layer.streamable() for layer in self.cache.layers if isinstance(layer, Rows))
 
+    @torch.no_grad()
+    @record_function("kvlab.forward")
     def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1, stream: bool = False) -> torch.Tensor:
         """Feed `ids` (B, n) at original positions start… (a re-rotated row: at its kept length, see `shift`);
         return the last `logits_to_keep` logits. With `stream`, rows of `Rows` layers read the chunk exactly as if
