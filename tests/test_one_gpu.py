@@ -5,11 +5,20 @@ the model and the context."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvlab.engine import Batch, compress, prefill
 from kvlab.evaluate import load_model
 from kvlab.methods import Variant
+
+@pytest.fixture(scope="module")
+def sample(tiny):
+    from kvlab.tasks import GENERATORS
+
+    spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
+    return GENERATORS["niah"]("niah_single", spec, tiny[1], 700)[0]
+
 
 KIVI4 = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 32, "key_axis": "channel", "value_axis": "token"}
 
@@ -35,3 +44,83 @@ def test_a_jobs_model_asks_for_no_gradient_and_batch_forward_records_no_graph(ti
         hook.remove()
     assert seen == [False, False]
     assert all(x.grad_fn is None and not x.requires_grad for x in logits)
+
+
+def additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (6, 3), (7, 1), (4, 4)])
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("mask", ["none", "causal", "shared", "per_head", "sliced"])
+def test_masked_attention_over_copied_kv_heads_is_the_grouped_attention(hq, hkv, n, mask):
+    """`_sdpa` with each K/V head copied to its query heads (the path CUDA takes under a mask, `repeats_kv`) gives
+    the attention that SDPA's grouped heads (`enable_gqa`) give, in fp32 on odd shapes: a one-token step and a chunk,
+    without a mask and causal, a mask every head shares, one per query head, and a wider mask sliced to the keys
+    (as sdpa_gqa slices it: not contiguous), with rows whose keys are partly hidden as padding hides them."""
+    from kvlab.engine.attention import _sdpa
+
+    g = torch.Generator().manual_seed(hq * 100 + hkv * 10 + n)
+    b, kv, d = 3, 37, 24
+    query = torch.randn(b, hq, n, d, generator=g)
+    key, value = torch.randn(b, hkv, kv, d, generator=g), torch.randn(b, hkv, kv, d, generator=g)
+    held = torch.tensor([kv - n, 20, 9])  # each row's own entries; the rest padding, then the chunk causally
+    j, q = torch.arange(kv), torch.arange(n)
+    allowed = (j[None, None, :] < held[:, None, None]) | ((j[None, None, :] >= kv - n) & (j[None, None, :] <= kv - n + q[None, :, None]))
+    masks = {
+        "none": None,
+        "causal": None,
+        "shared": additive(allowed[:, None]),
+        "per_head": additive(allowed[:, None] & (torch.rand(b, hq, 1, kv, generator=g) > 0.3) | (j >= kv - n)),
+        "sliced": additive(torch.nn.functional.pad(allowed[:, None], (0, 11)))[..., :kv],
+    }
+    m, causal = masks[mask], mask == "causal" and n > 1
+    copied = _sdpa(query, key, value, m, 0.0, None, causal, repeat=True)
+    grouped = _sdpa(query, key, value, m, 0.0, None, causal, repeat=False)
+    assert copied.shape == grouped.shape == (b, hq, n, d)
+    torch.testing.assert_close(copied, grouped, rtol=1e-6, atol=1e-6)
+    # and both are attention: softmax(q·k / sqrt(d) + mask)·v with each query head reading its group's K/V head
+    k, v = key.repeat_interleave(hq // hkv, dim=1), value.repeat_interleave(hq // hkv, dim=1)
+    scores = query @ k.transpose(-1, -2) / d**0.5
+    if m is not None:
+        scores = scores + m
+    elif causal:
+        scores = scores.masked_fill(j[None, :] > q[:, None], float("-inf"))  # SDPA's is_causal: from the first key
+    torch.testing.assert_close(copied, scores.softmax(-1) @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_heads_are_copied_only_under_a_mask_on_cuda_for_grouped_heads():
+    from kvlab.engine.attention import repeats_kv
+
+    mask, cuda, cpu = torch.zeros(1, 1, 1, 4), torch.device("cuda"), torch.device("cpu")
+    assert repeats_kv(cuda, mask, 14, 2)
+    assert not repeats_kv(cuda, None, 14, 2)  # the flash kernel takes grouped heads without a mask
+    assert not repeats_kv(cuda, mask, 14, 14)  # nothing to copy
+    assert not repeats_kv(cpu, mask, 14, 2)  # the CPU's flash kernel takes both: the copy would only cost memory
+
+
+def test_the_engines_passes_give_the_same_logits_with_kv_heads_copied(tiny, sample, monkeypatch):
+    """The tiny model's batched passes over rows of different lengths (a mask in every layer) with the K/V heads
+    copied, as on CUDA, give the logits of SDPA's grouped heads: the rows a GPU job writes are those of the path the
+    CPU runs."""
+    import kvlab.engine.attention as attention
+
+    model, _ = tiny
+    assert model.config.num_attention_heads != model.config.num_key_value_heads  # grouped heads
+    ids = sample.prompt.context
+    base = prefill(model, ids)
+    snap = {"press": "SnapKVPress", "kwargs": {"window_size": 16, "kernel_size": 5}}
+    caches = [compress(model, base, Variant("full", "full", 1.0)), compress(model, base, Variant("snapkv", "kvpress", 0.25, snap))]
+    tail = torch.tensor([sample.prompt.question[:6]] * 2)
+
+    def passes():
+        batch = Batch(model, caches)
+        return [batch.forward(tail, len(ids), logits_to_keep=tail.shape[1]), batch.forward(tail[:, :1], len(ids) + tail.shape[1])]
+
+    copied = []
+    monkeypatch.setattr(attention, "repeats_kv", lambda device, mask, hq, hkv: copied.append(mask is not None) or (mask is not None and hq != hkv))
+    with_copies = passes()
+    monkeypatch.undo()
+    assert copied and all(copied)  # every layer of both passes had a mask (the rows' lengths differ) and copied
+    for a, b in zip(with_copies, passes()):
+        assert torch.equal(a, b)  # bitwise: the CPU's flash kernel reads a copied head as it reads the shared one

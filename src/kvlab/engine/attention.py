@@ -66,7 +66,8 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     """transformers' SDPA attention, but grouped-query heads share their K/V inside the kernel even when a
     mask is given. transformers' own `sdpa` copies every cached K/V head to each query head it serves
     whenever there is a mask (a full copy of the cache per layer and step: 7x for Qwen2.5-0.5B), which is
-    what our batched decoding always passes. Same result (tested), several times faster on the CPU.
+    what our batched decoding always passes. Same result (tested), several times faster on the CPU. On CUDA a
+    masked call copies them after all (`repeats_kv`: there the kernels that take a mask do not take shared heads).
 
     A decode step over quantized rows (whose update set the layer's `fused_step`, see `reading`) attends to each
     row's codes with the Triton kernel instead (kvlab.kernels.decode_attention); each row then covers exactly its
@@ -88,11 +89,31 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     if grouped_heads(query, key, causal):
         return _grouped(query, key, value, attention_mask, dropout, scaling, shared=attention_mask is given), None
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal,
+    return _sdpa(query, key, value, attention_mask, dropout, scaling, causal).transpose(1, 2).contiguous(), None
+
+
+def repeats_kv(device: torch.device, mask: torch.Tensor | None, query_heads: int, kv_heads: int) -> bool:
+    """Whether attention copies each K/V head to the query heads it serves before SDPA (`_sdpa`): under a mask, on
+    CUDA, for grouped heads. There SDPA's kernels that take a mask (memory-efficient, cuDNN) do not take grouped
+    heads (`enable_gqa`), and the call falls back to the math kernel, which writes out every score (a 32K
+    prefill's: n·kv per head); with the copy it takes the memory-efficient kernel. Without a mask the flash kernel
+    takes grouped heads as they are; on the CPU the flash kernel takes both, and the copy would only cost memory."""
+    return device.type == "cuda" and mask is not None and kv_heads != query_heads
+
+
+def _sdpa(query, key, value, mask, dropout, scaling, causal, repeat: bool | None = None) -> torch.Tensor:
+    """SDPA (B, Hq, n, D) with grouped-query heads: each K/V head copied to its query heads first where `repeat`
+    (default `repeats_kv`: masked, on CUDA), else shared inside the kernel (`enable_gqa`). The same attention either
+    way (tested on the CPU)."""
+    groups = query.shape[1] // key.shape[1]
+    if repeat is None:
+        repeat = repeats_kv(query.device, mask, query.shape[1], key.shape[1])
+    if repeat and groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=causal,
         enable_gqa=key.shape[1] != query.shape[1],
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def grouped_heads(query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
