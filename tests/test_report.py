@@ -555,3 +555,24 @@ def test_speed_sections_say_not_run_when_the_run_left_them_out():
     for section, job in ((throughput, "throughput"), (engine, "engine_vs_pipeline")):
         text = section.body(q, Rule())
         assert f"<b>Not run</b>: this run's <code>speed_benchmarks</code> leaves out <code>{job}</code>" in text
+
+
+def test_collect_types_a_column_by_the_files_that_fill_it(tmp_path):
+    """Jobs of different tasks fill different columns: a task without needles writes `depth` as None (typed object
+    in its file). The joined column takes the type of the files with values, in the files' column order, with no
+    pandas FutureWarning; the eval columns kvlab.columns declares take their declared types."""
+    import warnings
+
+    from kvlab.collect import _concat, _with_columns
+
+    paths = [tmp_path / "needle.parquet", tmp_path / "dataset.parquet"]
+    pd.DataFrame({"task": ["n"], "depth": [0.5], "cut_tokens": [None]}).to_parquet(paths[0])
+    pd.DataFrame({"task": ["d"], "depth": [None], "cut_tokens": [7], "extra": ["x"]}).to_parquet(paths[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        joined = _concat(paths)
+    assert list(joined.columns) == ["task", "depth", "cut_tokens", "extra"]
+    assert joined["depth"].dtype == "float64" and joined["depth"].isna().tolist() == [False, True]
+    typed = _with_columns(joined, {"cut_tokens": "Int64", "round": "Int64"})
+    assert str(typed["cut_tokens"].dtype) == "Int64" and typed["cut_tokens"].isna().tolist() == [True, False]
+    assert typed["cut_tokens"].iloc[1] == 7 and str(typed["round"].dtype) == "Int64" and typed["round"].isna().all()

@@ -103,12 +103,21 @@ def build(
 
 
 def _with_columns(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:
-    """`frame` with each of `columns` it lacks added empty, typed."""
+    """`frame` with each of `columns` typed: those it has cast, those it lacks added empty."""
+    frame = frame.astype({c: d for c, d in columns.items() if c in frame})
     return frame.assign(**{c: pd.Series(dtype=d, index=frame.index) for c, d in columns.items() if c not in frame})
 
 
 def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:
-    """The files' rows; with no files, a table of the `empty` typed columns (a table only some runs write)."""
+    """The files' rows; with no files, a table of the `empty` typed columns (a table only some runs write).
+
+    A column one file holds all empty (a task without needles writes `depth` as None: typed object) is left out of
+    that file where another file has values, so that the values type the joined column (pandas deprecates its own
+    leaving out of all-empty columns when it types a join: a FutureWarning in every collect)."""
     if not files and empty is not None:
         return pd.DataFrame({c: pd.Series(dtype=d) for c, d in empty.items()})
-    return pd.concat([read_parquet(f) for f in files], ignore_index=True)
+    frames = [read_parquet(f) for f in files]
+    valued = {c for f in frames for c in f.columns if f[c].notna().any()}
+    joined = pd.concat([f.drop(columns=[c for c in f.columns if c in valued and f[c].isna().all()]) for f in frames],
+                       ignore_index=True)
+    return joined[list(dict.fromkeys(c for f in frames for c in f.columns))]  # the files' own column order
