@@ -124,3 +124,99 @@ def test_the_engines_passes_give_the_same_logits_with_kv_heads_copied(tiny, samp
     assert copied and all(copied)  # every layer of both passes had a mask (the rows' lengths differ) and copied
     for a, b in zip(with_copies, passes()):
         assert torch.equal(a, b)  # bitwise: the CPU's flash kernel reads a copied head as it reads the shared one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's fused SDPA kernels")
+def test_on_cuda_masked_grouped_attention_runs_in_a_fused_kernel():
+    """On the first GPU lent: a masked call over grouped heads (`_sdpa`'s default there copies the K/V heads) runs
+    with the math kernel ruled out, and gives the grouped math path's attention (bf16 rounding)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kvlab.engine.attention import _sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 14, 64, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    allowed = torch.arange(300, device="cuda")[None, :] < torch.tensor([300, 170], device="cuda")[:, None]
+    mask = torch.zeros(2, 1, 64, 300, device="cuda", dtype=torch.bfloat16).masked_fill_(~allowed[:, None, None], -1e4)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        fused = _sdpa(q, k, v, mask, 0.0, None, False)
+    with sdpa_kernel([SDPBackend.MATH]):
+        math = _sdpa(q, k, v, mask, 0.0, None, False, repeat=False)
+    torch.testing.assert_close(fused.float(), math.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_model_loads_straight_to_its_device(tiny_dir, monkeypatch):
+    """load_model hands transformers the device (`device_map`) off the CPU, so each weight goes from the file to the
+    device and the model is never whole in host memory; on the CPU it loads as before (no device_map). The CUDA
+    device is pretended (transformers loads the tiny model to the CPU instead), and `ready` only records it."""
+    import kvlab.evaluate as evaluate
+    from transformers import AutoModelForCausalLM
+
+    load, asked, readied = AutoModelForCausalLM.from_pretrained, [], []
+
+    def from_pretrained(path, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return load(path, **{**kwargs, "device_map": "cpu"} if "device_map" in kwargs else kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(evaluate, "ready", lambda model, device: readied.append(device) or model)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = evaluate.load_model(tiny_dir, "float32", "cuda", verify=False)[0]
+    evaluate.load_model(tiny_dir, "float32", "cpu", verify=False)
+    assert asked == ["cuda", None] and readied == ["cuda", "cpu"]
+    # what transformers gives with a device_map: every weight placed, none left on the meta device
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+
+
+NEEDLE = {"kind": "niah", "context_tokens": [384], "depths": [0.3], "samples": 3, "seed": 0}
+
+
+def floor_run(tiny_dir, tmp_path, monkeypatch, **extra):
+    """run_job on three single-sample batches of the tiny model, its model loads and engine calls recorded."""
+    import weakref
+
+    import kvlab.evaluate as evaluate
+    from kvlab.methods import build
+
+    loads, calls, floors = [], [], []
+    load, evaluate_samples = evaluate.load_model, evaluate.evaluate_samples
+
+    def counted_load(model_dir, dtype, device, verify=True, pack=True):
+        loads.append(dtype)
+        model, tokenizer = load(model_dir, dtype, device, verify=verify, pack=pack)
+        floors.append(weakref.ref(model))
+        return model, tokenizer
+
+    def spied(*args, other=None, other_samples=None, **kwargs):
+        calls.append((other is not None, other_samples, [ref() is not None for ref in floors[1:]]))
+        return evaluate_samples(*args, other=other, other_samples=other_samples, **kwargs)
+
+    monkeypatch.setattr(evaluate, "load_model", counted_load)
+    monkeypatch.setattr(evaluate, "evaluate_samples", spied)
+    monkeypatch.setattr(evaluate, "samples_at_once", lambda tokens: 1)
+    monkeypatch.setattr(evaluate, "other_dtype", lambda dtype, device: "float32")  # a second copy even where bf16 is emulated
+    run = {"methods": build({"full": {"kind": "full"}}), "budgets": [0.5], "question_modes": ["agnostic"], "max_new_tokens": 4,
+           "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1, **extra}
+    rows = evaluate.run_job(tiny_dir, "niah_single", NEEDLE, 384, run, tmp_path / "rows.parquet")
+    return rows, loads, calls
+
+
+def test_the_dtype_floors_copy_is_loaded_only_while_its_samples_run(tiny_dir, tmp_path, monkeypatch):
+    """A job whose task the dtype floor does not list (kvlab.jobs.run_params gives it no dtype_floor_samples) loads
+    the model once; a listed job loads the floor's copy for the batches holding the floor's samples and lets it go
+    after them, so the rest of the job runs beside one copy of the weights."""
+    from kvlab.jobs import run_params
+
+    config = {"budgets": [0.5], "question_modes": ["agnostic"], "max_new_tokens": 4, "noise_floor_samples": 0,
+              "dtype": "float32", "device": "cpu", "dtype_floor": {"samples": 1, "tasks": ["prose_kl"]}}
+    assert "dtype_floor_samples" not in run_params(config, {}, None)
+    assert run_params({**config, "dtype_floor": {"samples": 1, "tasks": []}}, {}, None).get("dtype_floor_samples") is None
+    rows, loads, calls = floor_run(tiny_dir, tmp_path / "plain", monkeypatch)
+    assert loads == ["float32"] and [c[:2] for c in calls] == [(False, 0)] * 3
+    assert rows["dtype_noise_kl"].isna().all()
+    monkeypatch.undo()
+    rows, loads, calls = floor_run(tiny_dir, tmp_path / "floor", monkeypatch, dtype_floor_samples=1)
+    assert loads == ["float32", "float32"]  # the job's model, then the floor's copy
+    assert calls == [(True, 1, [True]), (False, 0, [False]), (False, 0, [False])]  # released after the first batch
+    assert rows.sort_values("draw")["dtype_noise_kl"].notna().tolist() == [True, False, False]

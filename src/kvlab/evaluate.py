@@ -43,7 +43,11 @@ def load_model(model_dir: str | Path, dtype: str, device: str, verify: bool = Tr
     if verify:
         verify_weights(model_dir)  # the weights are what card.json recorded (once per job; one line if not)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION)
+    # Off the CPU each weight goes from the weights file straight to the device (`device_map`): the model is never
+    # held whole in host memory (an 8B model in bf16: 16 GB, converted from another dtype first). On the CPU the
+    # weights load as they always did (memory-mapped, then packed and copied off the map by `ready`).
+    placed = {} if device == "cpu" else {"device_map": device}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], attn_implementation=ATTENTION, **placed)
     return (ready(model, device) if pack else model.to(device).eval().requires_grad_(False)), tokenizer
 
 
@@ -175,13 +179,11 @@ def run_job(
               if len(samples) > first else "a fixed grid")
     log.info("%s: %d samples × %d variants × %d modes, %s; answers capped at %d tokens", task, first, len(grid),
              len(run["question_modes"]), rounds, cap)
-    other = None
+    # the model in the floor's dtype (fp32 beside bf16: twice the weights), held only while a batch has floor samples
+    other, floor_dtype = None, None
     if run.get("dtype_floor_samples", 0):
-        if (dtype := other_dtype(run["dtype"], run["device"])) is None:
+        if (floor_dtype := other_dtype(run["dtype"], run["device"])) is None:
             log.warning("dtype_floor: %s is the only dtype that runs in hardware here; no dtype noise floor measured", run["dtype"])
-        else:
-            other = load_model(model_dir, dtype, run["device"], verify=False)[0]  # load_model above verified the files
-            log.info("dtype noise floor: the first %d samples' full rows read again in %s", run["dtype_floor_samples"], dtype)
     key = resume.job_key(task, task_spec, context_tokens, run, card)
     state = resume.load(out_path, key) or {"rows": [], "round": 0, "next": 0, "end": 0, "before": 0, "round_s": 0.0,
                                            "elapsed": 0.0, "still": None}
@@ -210,6 +212,13 @@ def run_job(
             for start in range(done, end, at_once):
                 chunk = samples[start : min(end, start + at_once)]
                 in_dtype = max(0, run.get("dtype_floor_samples", 0) - start)
+                if in_dtype and floor_dtype and other is None:  # a job resumed past the floor's samples never loads it
+                    other = load_model(model_dir, floor_dtype, run["device"], verify=False)[0]  # the files were verified
+                    log.info("dtype noise floor: the first %d samples' full rows read again in %s", run["dtype_floor_samples"], floor_dtype)
+                elif not in_dtype and other is not None:  # the floor's samples done: the rest runs beside one copy
+                    other = None
+                    if run["device"] == "cuda":
+                        torch.cuda.empty_cache()  # its blocks back to the device, for the rest of the job's caches
                 in_batch = [0, 0]  # this batch's finished samples and their rows, as the engine reports them
 
                 def line(first=start + 1, last=start + len(chunk), before=done):
@@ -261,8 +270,9 @@ def run_job(
     dense = frame["scheme"].isna()
     kinds = {(v.method, v.budget): v.impl for v in grid}
     frame.loc[dense, "kv_bytes_formula"] = [
-        kinds[m, b].formula_bytes(geom, run["dtype"], b, n, held) for m, b, n, held in zip(
-            frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"], frame.loc[dense, "kv_tokens_mean"])
+        kinds[m, b].formula_bytes(geom, run["dtype"], b, n, held, prefix=0 if pd.isna(p) else int(p)) for m, b, n, held, p in zip(
+            frame.loc[dense, "method"], frame.loc[dense, "budget"], frame.loc[dense, "compressed_tokens"], frame.loc[dense, "kv_tokens_mean"],
+            frame.loc[dense, "prefix_tokens"] if "prefix_tokens" in frame else [None] * int(dense.sum()))  # the prompt's uncompressed prefix
     ]
     frame["device"] = device_name(run["device"])
     log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
