@@ -1,10 +1,16 @@
 # kvlab: which KV-cache compression is safe for which task — measured on real models.
 #   snakemake --cores 1 results/report.html                  (default preset)
 #   snakemake --cores 1 results/report.html --config preset=smoke
+import os
+
 from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version
 
 min_version("9.0")
+
+# Jobs log their progress to their log files and the console one line at a time; a progress bar's redraws would
+# run into those lines (and into the lines of jobs beside them). Run with TQDM_DISABLE= (empty) to see them anyway.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 from kvlab.config import ConfigError, check_config_files
 from kvlab.runstate import clear_stale_lock, record_owner, say

@@ -44,7 +44,7 @@ def test_profiles_layer_so_cluster_settings_win_on_a_cluster(tmp_path, monkeypat
     assert (local.cores, local.executor, local.rerun_incomplete, local.keep_going) == (2, None, True, False)
     cluster = parsed(work, monkeypatch, "--profile", "profiles/slurm")
     assert (cluster.executor, cluster.jobs, cluster.latency_wait, cluster.keep_going) == ("slurm", 50, 60, True)
-    assert cluster.rerun_incomplete and cluster.printshellcmds
+    assert cluster.rerun_incomplete and not cluster.printshellcmds  # every rule is a script: its "command" prints as None
     assert set(cluster.set_resources) == {"calibrate", "evaluate", "throughput", "engine_vs_pipeline", "decode_kernels"}
     default = yaml.safe_load((work / "profiles" / "default" / "config.yaml").read_text())
     slurm = yaml.safe_load((work / "profiles" / "slurm" / "config.yaml").read_text())
