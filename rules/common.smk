@@ -4,7 +4,7 @@ import re
 
 from snakemake.exceptions import WorkflowError
 
-from kvlab.config import CALIBRATION_TABLES, ConfigError, check_device, resolve
+from kvlab.config import CALIBRATION_TABLES, ConfigError, check_device, dtype_floor_note, resolve
 from kvlab.jobs import run_params as job_params
 from kvlab.methods import build, for_task, uses_calibration
 from kvlab.runstate import drop_orphans, say
@@ -73,12 +73,13 @@ def run_params(task=None):
 
 def check_local_device():
     """Before the first job of a run whose jobs run here (onstart: not a dry run; a cluster submission's jobs run on
-    its GPU nodes): device cuda needs a GPU on this machine."""
+    its GPU nodes): device cuda needs a GPU on this machine; a dtype floor this machine cannot measure is said once."""
     if workflow.local_exec:
         try:
             check_device(config)
         except ConfigError as error:
             raise WorkflowError(f"kvlab {error}") from None
+        say(dtype_floor_note(config))
 
 
 def model_dirs():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import ConfigError, expand, resolve
+from kvlab.config import ConfigError, dtype_floor_note, expand, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
@@ -563,3 +563,18 @@ def test_a_dataset_file_is_checked_before_any_job(config, tmp_path):
     rows.write_text(rows.read_text() + '{"context": "doc", "question": "q", "answers": []}\n')
     with pytest.raises(ConfigError, match=rf"^preset 'default': key 'tasks.mine.path': {rows} row 4: field answers must be a non-empty string"):
         resolve(config, SCHEMA)
+
+
+def test_a_dtype_floor_this_machine_cannot_measure_is_said_once(config, monkeypatch):
+    """An fp32 run where bf16 matmuls are emulated has no second dtype to read its floor in: the run says so once
+    before its first job (rules/common.smk), naming the floor's tasks, instead of a warning from each of their jobs."""
+    from kvlab import hardware
+
+    smoke = resolve({**config, "preset": "smoke"}, SCHEMA)
+    monkeypatch.setattr(hardware, "bf16_matmul_native", lambda device: False)
+    assert dtype_floor_note(smoke) == ("kvlab: dtype_floor: float32 is the only dtype that runs in hardware here, so the jobs of "
+                                       "prose_kl, niah_single measure no dtype noise floor (their dtype_noise_* columns stay empty)")
+    assert dtype_floor_note({**smoke, "dtype_floor": {"samples": 0, "tasks": ["prose_kl"]}}) is None
+    assert dtype_floor_note({**smoke, "dtype": "bfloat16"}) is None  # read again in float32, which always runs
+    monkeypatch.setattr(hardware, "bf16_matmul_native", lambda device: True)
+    assert dtype_floor_note(smoke) is None

@@ -2,9 +2,10 @@
 prompts go on to open ones, the draw order only grows, and two runs give the same rows."""
 
 import re
+import time
 
 import pandas as pd
-from kvlab.evaluate import draw_samples, run_job
+from kvlab.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
 from kvlab.report.stats import drop_bounds, per_sample
 from kvlab.sequential import cell_drops, open_cells, per_point, planned
@@ -117,8 +118,24 @@ def test_only_the_open_modes_are_compressed_and_decoded(tiny):
 
 
 def test_rows_of_a_round_share_its_seconds(tmp_path, tiny_dir):
+    """`round_s` is the round's wall seconds, shared by its rows: the rounds' seconds add up to no more than the job's."""
+    start = time.perf_counter()
     rows = job(tmp_path, "a", tiny_dir, max_samples=8, tolerance=60)
-    assert (rows.groupby("round")["round_s"].nunique() == 1).all() and (rows["round_s"] > 0).all()
+    wall = time.perf_counter() - start
+    per_round = rows.groupby("round")["round_s"]
+    assert (per_round.nunique() == 1).all() and rows["round"].nunique() > 1
+    assert (rows["round_s"] > 0).all() and per_round.first().sum() <= wall
+
+
+def test_a_job_ends_on_one_line_of_results():
+    """The job's last log line sums its cells up: the full cache's mean score and the range over the compressed cells
+    (method, budget, question mode); on a task scored by KL alone, the range of mean KL vs full."""
+    rows = pd.DataFrame({"method_kind": ["full", "full", "quant", "quant", "kvpress"], "method": ["full", "full", "kivi2", "kivi2", "snapkv"],
+                         "budget": [1.0, 1.0, 1.0, 1.0, 0.5], "question_mode": ["agnostic"] * 5, "score": [1.0, 0.5, 0.5, 0.25, 0.0],
+                         "kl_vs_full": [0.0, 0.0, 0.1, 0.2, 0.3]})
+    assert summary(rows) == "mean score 0.75 with the full cache, 0.00 to 0.38 over 2 compressed cells"
+    assert summary(rows.assign(score=float("nan"))) == "mean KL vs full 0.15 to 0.3 nats over 2 compressed cells"
+    assert summary(rows[rows["method_kind"] == "full"]) == "mean score 0.75 with the full cache"
 
 
 def test_prose_runs_in_rounds_and_stops_each_cell_on_its_kl_bounds(tmp_path, tiny_dir):

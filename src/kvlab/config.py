@@ -195,6 +195,20 @@ def check_device(config: dict) -> None:
                               "--profile profiles/slurm)")
 
 
+def dtype_floor_note(config: dict) -> str | None:
+    """One line, said once before a local run's first job (rules/common.smk): the dtype noise floor `dtype_floor`
+    asks for cannot be measured on this machine (an fp32 run where bf16 matmuls are emulated); None where it can,
+    or where none is asked for. Each job of a listed task notes it in its own log as well."""
+    from kvlab.hardware import compute_dtype, other_dtype
+
+    floor = config["dtype_floor"]
+    dtype = compute_dtype(config["dtype"], config["device"])
+    if not floor["samples"] or not floor["tasks"] or other_dtype(dtype, config["device"]) is not None:
+        return None
+    return (f"kvlab: dtype_floor: {dtype} is the only dtype that runs in hardware here, so the jobs of "
+            f"{', '.join(floor['tasks'])} measure no dtype noise floor (their dtype_noise_* columns stay empty)")
+
+
 DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "tasks": ("task", "kind")}
 
 

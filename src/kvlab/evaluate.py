@@ -100,6 +100,22 @@ def progress(done: int, total: int, rows: int, elapsed: float) -> str:
             f"~{left:.0f} s left at most")
 
 
+def summary(rows: pd.DataFrame) -> str:
+    """A job's result in one line: its mean score with the full cache and the range of the compressed cells' means
+    (method, budget, question mode); on a task scored by KL alone (no scores), the range of their mean KL vs full.
+    The cells themselves are the report's."""
+    compressed = rows[rows["method_kind"] != "full"]
+    scored = rows["score"].notna().any()
+    cells = compressed.groupby(["method", "budget", "question_mode"])["score" if scored else "kl_vs_full"].mean().dropna()
+    if scored:
+        full = rows.loc[rows["method_kind"] == "full", "score"].mean()
+        spread = f", {cells.min():.2f} to {cells.max():.2f} over {len(cells)} compressed cells" if len(cells) else ""
+        return f"mean score {full:.2f} with the full cache{spread}"
+    if cells.empty:
+        return "no score and no KL vs full measured"
+    return f"mean KL vs full {cells.min():.3g} to {cells.max():.3g} nats over {len(cells)} compressed cells"
+
+
 HEARTBEAT_S = 30.0  # a job logs its progress at least this often, however long one batch of samples takes
 
 
@@ -183,7 +199,7 @@ def run_job(
     other, floor_dtype = None, None
     if run.get("dtype_floor_samples", 0):
         if (floor_dtype := other_dtype(run["dtype"], run["device"])) is None:
-            log.warning("dtype_floor: %s is the only dtype that runs in hardware here; no dtype noise floor measured", run["dtype"])
+            log.info("dtype noise floor: none measured (%s is the only dtype that runs in hardware here)", run["dtype"])
     key = resume.job_key(task, task_spec, context_tokens, run, card)
     state = resume.load(out_path, key) or {"rows": [], "round": 0, "next": 0, "end": 0, "before": 0, "round_s": 0.0,
                                            "elapsed": 0.0, "still": None}
@@ -275,7 +291,7 @@ def run_job(
             frame.loc[dense, "prefix_tokens"] if "prefix_tokens" in frame else [None] * int(dense.sum()))  # the prompt's uncompressed prefix
     ]
     frame["device"] = device_name(run["device"])
-    log.info("done in %.1f s; mean score by method:\n%s", time.perf_counter() - t0, frame.groupby(["method", "budget", "question_mode"])["score"].mean())
+    log.info("done in %.1f s: %d rows; %s", time.perf_counter() - t0, len(frame), summary(frame))
     write_parquet(frame, out_path)
     resume.clear(out_path)
     return frame
