@@ -1,3 +1,6 @@
+from kvlab.jobs import job_mem_mb
+
+
 rule workload:
     output:
         rows="results/workloads/{task}.jsonl",
@@ -29,7 +32,7 @@ rule evaluate:
         "results/benchmarks/evaluate/{model}/{task}/{ctx}.tsv"
     threads: config["threads"]
     resources:
-        mem_mb=16000,  # measured peak: 10.2 GB for prose_kl at 1K tokens (Qwen2.5-0.5B, fp32, CPU)
+        mem_mb=lambda w, input: job_mem_mb(config, input.model_dir, w.task, int(w.ctx)),  # by model and context (>= prose_kl's 10.2 GB at 1K)
         runtime=120,
         gpu=GPUS,
     conda:

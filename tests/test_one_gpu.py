@@ -220,3 +220,80 @@ def test_the_dtype_floors_copy_is_loaded_only_while_its_samples_run(tiny_dir, tm
     assert loads == ["float32", "float32"]  # the job's model, then the floor's copy
     assert calls == [(True, 1, [True]), (False, 0, [False]), (False, 0, [False])]  # released after the first batch
     assert rows.sort_values("draw")["dtype_noise_kl"].notna().tolist() == [True, False, False]
+
+
+QWEN_0_5B = {"n_params": 494_032_768, "num_layers": 24, "hidden_size": 896, "num_kv_heads": 2, "head_dim": 64}
+LLAMA_8B = {"n_params": 8_030_261_248, "num_layers": 32, "hidden_size": 4096, "num_kv_heads": 8, "head_dim": 128}
+
+
+def test_a_jobs_memory_request_follows_the_model_and_the_context():
+    """eval_mem_mb covers the peaks measured on Qwen2.5-0.5B in fp32 (issue 53: 9.4 GB at 4K, 15.4 GB at 8K; prose_kl
+    10.2 GB at 1K) with room to spare but not twice over, grows with the context and the model's size, adds the dtype
+    floor's copy, and asks a GPU job's host only for the process (its weights load to the device)."""
+    from kvlab.jobs import MEM_FLOOR_MB, eval_mem_mb
+
+    for tokens, peak in ((1024, 10_200), (4096, 9_400), (8192, 15_400)):
+        assert peak < eval_mem_mb(QWEN_0_5B, "float32", "cpu", tokens) < 2 * peak
+    lengths = [eval_mem_mb(QWEN_0_5B, "float32", "cpu", n) for n in (4096, 8192, 16384, 32768)]
+    assert lengths[0] == MEM_FLOOR_MB and lengths == sorted(set(lengths))
+    # about 1.5 GB more per 1K tokens (the measured rate), with the headroom
+    assert lengths[-1] - lengths[-2] == pytest.approx(1.25 * 1.5 * 16.384 * 1000, rel=0.1)
+    assert eval_mem_mb(LLAMA_8B, "bfloat16", "cpu", 32768) > eval_mem_mb(QWEN_0_5B, "bfloat16", "cpu", 32768)
+    assert eval_mem_mb(QWEN_0_5B, "bfloat16", "cpu", 32768) < eval_mem_mb(QWEN_0_5B, "float32", "cpu", 32768)
+    # the floor's fp32 copy of a bf16 8B model: its 32 GB, with the headroom
+    floor = eval_mem_mb(LLAMA_8B, "bfloat16", "cpu", 8192, dtype_floor=True) - eval_mem_mb(LLAMA_8B, "bfloat16", "cpu", 8192)
+    assert floor == pytest.approx(1.25 * 4 * LLAMA_8B["n_params"] / 1e6, abs=1000)
+    assert eval_mem_mb(LLAMA_8B, "bfloat16", "cuda", 32768, dtype_floor=True) == eval_mem_mb(QWEN_0_5B, "float32", "cuda", 1024)
+    assert eval_mem_mb(LLAMA_8B, "float32", "cpu", 0) == MEM_FLOOR_MB  # a dataset's natural lengths: not known here
+
+
+def test_a_jobs_memory_is_to_be_decided_until_its_model_is_acquired(tmp_path):
+    """job_mem_mb (the evaluate rule's mem_mb) raises FileNotFoundError naming the rule's input, the model folder,
+    until the card is there (Snakemake's sign to decide the value when the job is ready), then reads it."""
+    import json
+
+    from kvlab.jobs import eval_mem_mb, job_mem_mb
+
+    config = {"dtype": "bfloat16", "device": "cpu", "dtype_floor": {"samples": 5, "tasks": ["prose_kl"]}}
+    model = tmp_path / "model"
+    with pytest.raises(FileNotFoundError) as missing:
+        job_mem_mb(config, str(model), "prose_kl", 8192)
+    assert missing.value.filename == str(model)
+    model.mkdir()
+    (model / "card.json").write_text(json.dumps(LLAMA_8B))
+    assert job_mem_mb(config, str(model), "prose_kl", 8192) == eval_mem_mb(LLAMA_8B, "bfloat16", "cpu", 8192, dtype_floor=True)
+    assert job_mem_mb(config, str(model), "niah_single", 8192) == eval_mem_mb(LLAMA_8B, "bfloat16", "cpu", 8192)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_slurm_profile_asks_each_evaluation_job_for_its_memory_and_a_gpu_on_cuda(tmp_path, device):
+    """Through the SLURM profile, each evaluation job's mem_mb is eval_mem_mb of its model's card (read once the
+    model is acquired; a larger card stands in for the smoke preset's tiny model here), its task's dtype floor and
+    its context length; gpu=1 on cuda."""
+    import json
+    import re
+
+    import yaml
+
+    from conftest import snakemake, workflow_copy
+    from kvlab.config import resolve
+    from kvlab.jobs import eval_mem_mb
+
+    work = workflow_copy(tmp_path / "work")
+    model = work / "resources" / "models" / "tiny-qwen2"
+    model.mkdir(parents=True)
+    (model / "card.json").write_text(json.dumps(LLAMA_8B))
+    proc = snakemake(work, "--profile", "profiles/slurm", "results/report.html", "-n", "--config", "preset=smoke",
+                     f"device={device}", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config = resolve({**config, "preset": "smoke"}, work / "workflow" / "config.schema.yaml")
+    jobs = re.findall(r"^rule evaluate:\n.*?wildcards: model=tiny-qwen2, task=(\w+), ctx=(\d+)\n.*?resources: (.*?)\n",
+                      proc.stdout, flags=re.M | re.S)
+    assert jobs
+    floor = config["dtype_floor"]
+    for task, ctx, resources in jobs:
+        measured = bool(floor["samples"]) and task in floor["tasks"]
+        expected = eval_mem_mb(LLAMA_8B, config["dtype"], device, int(ctx), measured)
+        assert f"mem_mb={expected}," in resources and f"gpu={int(device == 'cuda')}" in resources, (task, ctx, resources)
