@@ -578,3 +578,19 @@ def test_a_dtype_floor_this_machine_cannot_measure_is_said_once(config, monkeypa
     assert dtype_floor_note({**smoke, "dtype": "bfloat16"}) is None  # read again in float32, which always runs
     monkeypatch.setattr(hardware, "bf16_matmul_native", lambda device: True)
     assert dtype_floor_note(smoke) is None
+
+
+def test_the_command_line_prints_usage_and_one_line_errors(capsys, tmp_path):
+    """python -m kvlab.config: --help prints its usage; a missing file or an unknown preset is one line, no traceback."""
+    from kvlab.config import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m kvlab.config [-h] [--expand PRESET] [FILE ...]")
+    for argv, message in ((["nope.yaml"], "kvlab config: nope.yaml: No such file or directory"),
+                          (["--expand", "nope", str(ROOT / "config.yaml")], "kvlab config: config: key 'preset': unknown preset 'nope';")):
+        with pytest.raises(SystemExit) as done:
+            main(argv)
+        assert str(done.value.code).startswith(message) and "\n" not in str(done.value.code)
+    main([str(ROOT / "config.yaml")])
+    assert capsys.readouterr().out == "1 file(s) read: no duplicate keys, no syntax errors\n"

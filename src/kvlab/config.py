@@ -388,19 +388,38 @@ def expand(config: dict, schema_path: str | Path, name: str) -> dict:
     return out
 
 
-if __name__ == "__main__":  # python -m kvlab.config FILE... | --expand PRESET [FILE]
+def main(argv: list[str] | None = None) -> None:
+    """python -m kvlab.config: check config files as the workflow does before it runs, or print a preset's expansion."""
+    import argparse
     import sys
 
-    args = sys.argv[1:]
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlab.config",
+        description="Check config files for YAML syntax errors and duplicate keys (with file:line:column), as the "
+                    "workflow does before it runs; or print a preset's effective config.")
+    parser.add_argument("files", nargs="*", metavar="FILE", help="config files to check, e.g. config.yaml mine.yaml")
+    parser.add_argument("--expand", metavar="PRESET", help="print preset PRESET of FILE (default config.yaml) laid over its "
+                        "top level, validated, with defaults filled")
+    args = parser.parse_args(argv)
+    if args.expand is None and not args.files:
+        parser.error("give the config files to check, or --expand PRESET")
+    if args.expand is not None and len(args.files) > 1:
+        parser.error("--expand reads one config file")
     try:
-        if args[:1] == ["--expand"] and len(args) in (2, 3):
-            path = Path(args[2] if len(args) == 3 else "config.yaml")
+        if args.expand is not None:
+            path = Path(args.files[0] if args.files else "config.yaml")
             check_yaml(path)
             schema = Path(__file__).resolve().parents[2] / "workflow" / "config.schema.yaml"
-            print(yaml.safe_dump(expand(yaml.safe_load(path.read_text()), schema, args[1]), sort_keys=False), end="")
-            sys.exit(0)
-        for arg in args:
+            print(yaml.safe_dump(expand(yaml.safe_load(path.read_text()), schema, args.expand), sort_keys=False), end="")
+            return
+        for arg in args.files:
             check_yaml(arg)
     except ConfigError as error:
         sys.exit(f"kvlab config: {error}")
-    print(f"{len(args)} file(s) read: no duplicate keys, no syntax errors")
+    except OSError as error:
+        sys.exit(f"kvlab config: {error.filename}: {error.strerror}")
+    print(f"{len(args.files)} file(s) read: no duplicate keys, no syntax errors")
+
+
+if __name__ == "__main__":
+    main()
