@@ -25,4 +25,5 @@ ENGINE_VS_PIPELINE_COLUMNS = {
 EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl": "float64", "dtype_noise_kl_max": "float64",
                 "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64",
                 "draw": "Int64", "round": "Int64", "round_s": "float64", "max_samples": "Int64",
-                "kv_saturated_keys": "float64", "kv_saturated_values": "float64", "cut_tokens": "Int64"}
+                "kv_saturated_keys": "float64", "kv_saturated_values": "float64", "cut_tokens": "Int64",
+                "prefix_tokens": "Int64"}

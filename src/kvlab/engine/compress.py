@@ -15,6 +15,7 @@ from kvlab.engine.prefill import Prefilled, prefill, self_information, shallow_c
 from kvlab.kernels import kvcache, layouts
 from kvlab.kernels.layer import KVLayer, Masked, hidden_entries
 from kvlab.methods import Variant, layer_budgets
+from kvlab.methods.base import region_keep
 
 
 SERVICES = SimpleNamespace(prefill=prefill, self_information=self_information, shallow_copy=shallow_copy)  # lent to kinds
@@ -48,18 +49,49 @@ def share_scores(press, shared: dict) -> None:
         p.score = score
 
 
+def keep_prefix(press, prefix: int, ratio: dict) -> None:
+    """Let every scorer in `press` (it, and every press it wraps, that has a `score`) score only the positions after
+    the first `prefix` (their inputs cut there, at the compression ratio `ratio["region"]` of those positions, as kvpress
+    scores the context it is given), and give the prefix +inf: whatever keeps the top scores keeps it whole. The caller
+    raises the press's own ratio so that it keeps the prefix plus the region's share (`region_keep`)."""
+    stack = [press]
+    while stack:
+        p = stack.pop()
+        stack += [q for q in (getattr(p, "press", None), *getattr(p, "presses", ())) if q is not None]
+        if not callable(getattr(p, "score", None)):
+            continue
+
+        def score(module, hidden_states, keys, values, attentions, kwargs, own=p.score, p=p):
+            cos, sin = kwargs["position_embeddings"]
+            cut = {**kwargs, "hidden_states": hidden_states[:, prefix:], "position_embeddings": (cos[:, prefix:], sin[:, prefix:]),
+                   "cache_position": kwargs["cache_position"][prefix:]}
+            whole, p.compression_ratio = p.compression_ratio, ratio["region"]
+            try:
+                scores = own(module, hidden_states[:, prefix:], keys[..., prefix:, :], values[..., prefix:, :],
+                             None if attentions is None else attentions[..., prefix:, prefix:], cut)
+            finally:
+                p.compression_ratio = whole
+            return torch.cat([scores.new_full((*scores.shape[:-1], prefix), float("inf")), scores], dim=-1)
+
+        p.score = score
+
+
 @torch.no_grad()
 @record_function("kvlab.compress")
 def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
     """A compressed copy of `base.cache` for `variant`: evicted by its press (if any), then changed as its kind
     does (`MethodKind.apply`: H2O's layers, which go on evicting while decoding; a quantized kind's codes).
-    For full, a copy sharing the base's tensors."""
+    For full, a copy sharing the base's tensors. The base's first `prefix` positions are never evicted: a press scores
+    the positions after them, at its ratio of those (`keep_prefix`)."""
     cache = shallow_copy(base.cache)
     press = variant.make_press()
     sliding = [is_sliding(model, i) for i in range(len(cache.layers))]
     if press is not None:
         press.post_init_from_model(model)
         share_scores(press, base.shared)
+        ratio = {}  # the press's ratio of the positions after the prefix, for `keep_prefix`
+        if base.prefix:
+            keep_prefix(press, base.prefix, ratio)
         cache_position = torch.arange(base.length, device=model.device)
         rotary = language_model(model).rotary_emb
         weights = variant.params.get("layer_budgets")  # calibrated per-layer weights: one budget per layer
@@ -69,6 +101,9 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 continue
             if per_layer is not None:
                 press.compression_ratio = 1.0 - per_layer[idx]
+            if base.prefix:  # keep the prefix and the region's share of the rest: the press's ratio over every position
+                ratio["region"] = press.compression_ratio
+                press.compression_ratio = 1.0 - region_keep(1.0 - ratio["region"], base.length, base.prefix)
             module.rotary_emb = rotary  # as kvpress's hooks set it (KeyRerotationPress reads it)
             cap = base.captures[idx]
             layer = cache.layers[idx]
@@ -88,6 +123,8 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 masked = torch.zeros(layer.keys.shape[:3], dtype=torch.bool, device=layer.keys.device)
                 masked[batch, head, seq] = True  # (1, H_kv, T): hidden from attention, still stored
                 cache.layers[idx] = Masked(layer.keys, layer.values, masked)
+            if base.prefix:
+                press.compression_ratio = ratio["region"]
         if variant.rerotates:
             rerotated(model, cache, variant, base.length)
     variant.impl.apply(model, cache, base, variant, sliding, SERVICES)

@@ -81,6 +81,7 @@ class Prefilled:
     span: tuple[int, int] | None = None  # positions prompt compression may drop (the user's text; see evaluate_samples)
     hidden: torch.Tensor | None = None  # (length, hidden): the last layer's output at every position, final norm applied
     parent: "Prefilled | None" = None  # the prefill this one continues (the context, for a question-aware prefill)
+    prefix: int = 0  # leading positions no compression evicts (Prompt.prefix); budgets count the positions after them
 
 
 @torch.no_grad()
@@ -99,7 +100,7 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
         store = [a.extend(b) for a, b in zip(past.captures, store)]
         hidden = torch.cat([past.hidden, hidden])
     return Prefilled(cache, store, start + len(ids), ids=(past.ids if past else []) + list(ids),
-                     span=past.span if past else None, hidden=hidden, parent=past)
+                     span=past.span if past else None, hidden=hidden, parent=past, prefix=past.prefix if past else 0)
 
 
 @torch.no_grad()

@@ -51,7 +51,8 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
     p = sample.prompt
     t0 = time.perf_counter()
     context = prefill(model, p.context)
-    context.span = (p.head, len(p.context))  # prompt compression drops only from the user's text
+    context.span = (max(p.head, p.prefix), len(p.context))  # prompt compression drops only from the user's text
+    context.prefix = p.prefix  # a dataset template's text before the document: never evicted (the aware prefill inherits it)
     prefill_s = {"agnostic": time.perf_counter() - t0}
     bases = {"agnostic": (context, p.question + p.suffix)}
     if any(QUESTION_MODES[m][0] == "aware" for m in modes) and p.question:

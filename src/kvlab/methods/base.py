@@ -17,6 +17,15 @@ from __future__ import annotations
 from typing import ClassVar, Protocol
 
 from kvlab.methods.press import Problem, press_problem
+def region_keep(budget: float, tokens: int, prefix: int) -> float:
+    """The share of all `tokens` to keep so that the first `prefix` are kept whole and `budget` of the others, counted
+    as kvpress counts (int(n × budget)): prefix + int((tokens − prefix) × budget) tokens, nudged up by a thousandth of a
+    token so that flooring `tokens` × the share gives that count exactly. `budget` itself when there is no prefix."""
+    if not prefix:
+        return budget
+    return min(1.0, (prefix + int((tokens - prefix) * budget) + 1e-3) / tokens)
+
+
 NO_STORAGE = {"scheme": None, "bits": None, "key_axis": None, "value_axis": None, "policy": None}
 
 
@@ -46,14 +55,15 @@ class MethodKind:
         """Whether it keeps a fraction of the context, and so runs at every budget (any method with a press)."""
         return "press" in self.params
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float, prefix: int = 0) -> int:
         """The byte formula of a dense cache this kind leaves after a `tokens` prompt at `budget` (the row's
         kv_bytes_formula, beside the measured bytes; quantized kinds' rows carry the engine's own): the budget's
-        share of the context at the run's dtype (`geom`: kvlab.kernels.accounting.KVGeometry). `held`: the
-        tokens the cache was measured to hold per layer, for kinds whose count only the prompt decides."""
+        share of the context at the run's dtype (`geom`: kvlab.kernels.accounting.KVGeometry), the `prefix`'s tokens
+        kept whole beside it (`region_keep`). `held`: the tokens the cache was measured to hold per layer, for kinds
+        whose count only the prompt decides."""
         from kvlab.kernels.accounting import Scheme, context_bytes
 
-        return context_bytes(geom, Scheme.dense(dtype).with_keep(budget), tokens)
+        return context_bytes(geom, Scheme.dense(dtype).with_keep(region_keep(budget, tokens, prefix)), tokens)
 
     @property
     def quantized(self) -> bool:

@@ -21,7 +21,7 @@ class BlockSparse(MethodKind):
     def evicts(self) -> bool:
         return True  # runs at every budget: the share read per step
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float, prefix: int = 0) -> int:
         return super().formula_bytes(geom, dtype, 1.0, tokens, held)  # every entry is kept; the budget is what a step reads
 
     def top_k(self, budget: float, context: int) -> int:

@@ -17,7 +17,7 @@ class CrossLayer(MethodKind):
 
     name = "cross_layer"
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float, prefix: int = 0) -> int:
         """The full cache's bytes times the share of layers that store: the first of each group of `every`
         (exact when every layer is full-attention; sliding-window layers are not placed by the geometry)."""
         storing = -(-geom.layers // self.params["every"])

@@ -28,6 +28,7 @@ class H2O(MethodKind):
 
         from kvlab.models.structure import attention_layers, queries
         from kvlab.kernels.h2o import H2OLayer, received_attention
+        from kvlab.methods.base import region_keep
 
         modules, recent = attention_layers(model), self.params["recent"]
         with torch.no_grad():
@@ -36,9 +37,14 @@ class H2O(MethodKind):
                     continue
                 module, cap = modules[idx], base.captures[idx]
                 t = layer.keys.shape[-2]
-                capacity = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
+                # as kvpress counts kept tokens; a prompt's uncompressed prefix kept beside them, scored +inf
+                capacity = max(1, int(t * region_keep(variant.budget, t, base.prefix)))
                 scores = base.shared.get(("h2o_scores", idx))  # the prefill's scores: the same at every budget
                 if scores is None:
                     q = queries(module, cap.hidden_states, cap.cos, cap.sin)
                     scores = base.shared[("h2o_scores", idx)] = received_attention(q, layer.keys, module.scaling)
-                cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, round(recent * capacity), module.scaling)
+                if base.prefix:
+                    scores = scores.clone()
+                    scores[..., : base.prefix] = float("inf")
+                window = round(recent * (capacity - base.prefix))  # the recent share of what the budget keeps
+                cache.layers[idx] = H2OLayer(layer.keys, layer.values, scores, capacity, window, module.scaling)

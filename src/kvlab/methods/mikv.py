@@ -63,6 +63,7 @@ class MiKV(MethodKind):
 
         from kvlab.models.structure import attention_layers, language_model
         from kvlab.kernels import kvcache
+        from kvlab.methods.base import region_keep
         from kvlab.methods.press import make_press
 
         press = make_press({"press": self.params["scorer"], "kwargs": self.params.get("kwargs", {})}, variant.budget)
@@ -79,7 +80,10 @@ class MiKV(MethodKind):
                           "past_key_values": cache, "cache_position": positions}
                 scores = press.score(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)
                 t = layer.keys.shape[-2]
-                kept = max(1, int(t * variant.budget))  # as kvpress counts kept tokens
+                kept = max(1, int(t * region_keep(variant.budget, t, base.prefix)))  # as kvpress counts kept tokens
+                if base.prefix:  # a prompt's uncompressed prefix stays in full precision beside the budget's share
+                    scores = scores.clone()
+                    scores[..., : base.prefix] = float("inf")
                 top = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
                 top.scatter_(-1, scores.topk(kept, dim=-1).indices, True)
                 # kept tokens first, then the others, each in prompt order (a stable sort on "not kept")

@@ -36,7 +36,7 @@ class PromptCompression(MethodKind):
     def evicts(self) -> bool:
         return True  # runs at every budget: the share of the span kept
 
-    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float) -> int:
+    def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float, prefix: int = 0) -> int:
         """The dense bytes of the shorter prompt: how many tokens it kept depends on each prompt's template head
         and question, so the count is the one held."""
         return super().formula_bytes(geom, dtype, 1.0, int(held), held)

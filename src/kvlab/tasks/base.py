@@ -23,8 +23,8 @@ class Turn:
 class Prompt:
     """A prompt cut into the pieces the engine needs.
 
-    ``context`` is always compressed; ``question`` is compressed only in question-aware mode;
-    ``suffix`` (the chat template's end of turn + assistant header) is never compressed.
+    ``context`` is always compressed, but for its first ``prefix`` tokens; ``question`` is compressed only in
+    question-aware mode; ``suffix`` (the chat template's end of turn + assistant header) is never compressed.
     ``followups`` are later turns asked on the same compressed cache (multi-turn tasks).
     ``reference`` is a continuation to teacher-force for KL and perplexity (prose tasks); when empty
     the engine teacher-forces the full cache's own answer instead.
@@ -38,6 +38,9 @@ class Prompt:
     reference: list[int] = field(default_factory=list)
     text: tuple[str, str] = ("", "")  # the user's text before the question, and the question (un-templated)
     head: int = 0  # context tokens of the chat template before the user's text (kept by prompt compression)
+    # leading context tokens no method evicts or drops (a dataset template's text before {context}, and the chat
+    # template's head before it): compression budgets count the tokens after them, as kvpress counts only its context
+    prefix: int = 0
 
     @property
     def tokens(self) -> int:
@@ -96,6 +99,7 @@ class Sample:
             "metric": self.metric,
             "ruler_task": self.meta.get("ruler_task"),  # RULER's own task name (niah_single_1 … qa_2); None elsewhere
             "cut_tokens": self.meta.get("cut_tokens"),  # a dataset row's prompt tokens cut from its middle; None elsewhere
+            "prefix_tokens": self.prompt.prefix or None,  # leading prompt tokens kept out of compression; None elsewhere
         }
 
     def to_dict(self) -> dict:

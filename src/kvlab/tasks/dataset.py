@@ -7,7 +7,10 @@ names to the file's own. Files: JSON lines (.jsonl, or .json holding lines or on
 cell as a JSON array), .parquet, or a folder written by `datasets`' save_to_disk (read offline).
 
 Prompts: the user turn is `template` with {context} and {question} filled (default: the context, a blank line, the
-question), in the model's chat template. `context_tokens` 0 keeps each prompt at its natural length (`prompt_tokens`
+question), in the model's chat template. Only the document is compressed, as kvpress compresses only its context: the
+template's text before {context} (with the chat template's head before it) is the prompt's uncompressed `prefix`, no
+method evicts it and budgets count the tokens after it; its text after {context} goes with the question (compressed
+only question-aware). `context_tokens` 0 keeps each prompt at its natural length (`prompt_tokens`
 on each row); N > 0 cuts a longer prompt to N tokens by dropping the middle of its context, keeping its head and
 tail as LongBench truncates its prompts, but never the question or template (rows carry `cut_tokens`).
 
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from kvlab.tasks.base import Sample, chat_prompt, encode
+from kvlab.tasks.base import Prompt, Sample, chat_pieces, chat_prompt, encode
 
 FIELDS = ("context", "question", "answers", "id", "followups")
 REQUIRED = ("context", "question", "answers")
@@ -101,7 +104,8 @@ def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template:
         previous = answers
 
     def build(context: str):
-        return chat_prompt(tokenizer, before_context + context + after_context, record.question + tail, turns)
+        prompt = chat_prompt(tokenizer, before_context + context, after_context + record.question + tail, turns)
+        return replace(prompt, prefix=kept_prefix(tokenizer, prompt, before_context, after_context + record.question + tail))
 
     prompt, cut = build(record.context), 0
     if context_tokens and prompt.tokens > context_tokens:
@@ -129,6 +133,13 @@ def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template:
         metric=spec["metric"],
         meta={"shape": shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut},
     )
+
+
+def kept_prefix(tokenizer, prompt: Prompt, before_context: str, question: str) -> int:
+    """The context tokens before the document: the chat template's head and the template's text before {context},
+    as they tokenize alone; where the text's last token would merge with the document's first, up to that token."""
+    ids = encode(tokenizer, chat_pieces(tokenizer, before_context, question)[0])
+    return next((i for i, (a, b) in enumerate(zip(prompt.context, ids)) if a != b), min(len(prompt.context), len(ids)))
 
 
 def load(path: str | Path, columns: dict | None = None) -> list[Record]:
