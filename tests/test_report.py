@@ -576,3 +576,32 @@ def test_collect_types_a_column_by_the_files_that_fill_it(tmp_path):
     typed = _with_columns(joined, {"cut_tokens": "Int64", "round": "Int64"})
     assert str(typed["cut_tokens"].dtype) == "Int64" and typed["cut_tokens"].isna().tolist() == [True, False]
     assert typed["cut_tokens"].iloc[1] == 7 and str(typed["round"].dtype) == "Int64" and typed["round"].isna().all()
+
+
+def test_smallest_safe_budgets_say_why_they_have_no_row(monkeypatch):
+    """A run whose full cache answers nothing (the smoke preset's random model) leaves no task to judge: the section
+    says so in one sentence instead of heading an empty table."""
+    from kvlab.report.sections import accuracy
+
+    cells = pd.DataFrame({"model": "m", "task": "niah", "context_tokens": 512, "question_mode": ["agnostic", "aware"],
+                          "full_accuracy": 0.0, "samples": 3, "method": "snapkv", "budget": 0.5, "decision": "safe"})
+    monkeypatch.setattr(accuracy, "cells", lambda versus, rule, by: cells)
+    assert accuracy.safe_budgets(pd.DataFrame(), Rule()) == (
+        "<p><b>No row</b>: the full cache itself answered no prompt correctly in any of the 2 scored cells (task, context "
+        "length, question mode), so no budget can be decided safe against it (a random model, such as the smoke "
+        "preset's, answers nothing).</p>")
+    monkeypatch.setattr(accuracy, "cells", lambda versus, rule, by: cells.iloc[:0])
+    assert accuracy.safe_budgets(pd.DataFrame(), Rule()) == "<p><b>No row</b>: no task of this run is scored by its answers.</p>"
+    monkeypatch.setattr(accuracy, "cells", lambda versus, rule, by: cells.assign(full_accuracy=[0.0, 1.0]))
+    text = accuracy.safe_budgets(pd.DataFrame(), Rule())
+    assert "No row" not in text and "<td>aware</td><td>100%</td><td>3</td><td>0.5</td>" in text
+
+
+def test_the_decision_grid_scrolls_inside_the_page(monkeypatch):
+    """The grid has a column per method: with many it is wider than the page's 1150 px, so it scrolls in its own box."""
+    from kvlab.report.build import CSS
+    from kvlab.report.sections import verdict_grid
+
+    monkeypatch.setattr(verdict_grid, "figure", lambda q, rule: "<svg width='1476'></svg>")
+    assert verdict_grid.body({"answers": pd.DataFrame({"method": ["snapkv"]})}, Rule()).startswith("<div class='wide'><svg width='1476'></svg></div>")
+    assert ".wide{overflow-x:auto;max-width:100%}" in CSS and "max-width:1150px" in CSS

@@ -24,6 +24,7 @@ body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0
 table{display:block;overflow-x:auto;border-collapse:collapse;font-size:13px;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}pre{background:#f7f7f7;padding:.6em;font-size:12px;overflow:auto}
 details{margin:.3em 0 1em}td.long{text-align:left;min-width:28em;font-size:12px}section{margin-bottom:2em}.note{color:#555;font-size:13px}
+.wide{overflow-x:auto;max-width:100%}
 """
 
 # the key figures also written as files (for snakemake --report): name → its section's figure(q, rule)

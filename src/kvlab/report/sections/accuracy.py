@@ -48,6 +48,12 @@ def safe_budgets(versus: pd.DataFrame, rule: Rule) -> str:
             row[method] = (f"{safe['budget'].min():g}" if len(safe)
                            else "inconclusive" if (m["decision"] == "inconclusive").any() else "not safe")
         rows.append(row)
+    if not rows:
+        scored = every[["model", "task", "context_tokens", "question_mode"]].drop_duplicates()
+        return ("<p><b>No row</b>: " + (
+            f"the full cache itself answered no prompt correctly in any of the {len(scored)} scored cells (task, context "
+            "length, question mode), so no budget can be decided safe against it (a random model, such as the smoke "
+            "preset's, answers nothing).</p>" if len(scored) else "no task of this run is scored by its answers.</p>"))
     return (
         f"<p>Each method's column gives the smallest fraction of the KV cache it kept while decided safe — the "
         f"one-sided 95% upper bound of its drop vs the full cache on the same samples at most "

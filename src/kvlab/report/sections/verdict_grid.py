@@ -46,7 +46,7 @@ def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     if q["answers"].empty:
         return "<p>No compressed method was evaluated in this run.</p>"
-    return figure(q, rule) + (
+    return "<div class='wide'>" + figure(q, rule) + "</div>" + (  # one column per method: wider than the page with many
         f"<p class='note'>Each cell: one method on one task shape and question mode, decided by the decision "
         f"table's rule (below), with the compression it reached (the full cache's bf16 bytes over the bytes it "
         f"stored, measured) and n, the samples behind the decision. <b>Safe</b> (green, ✓): the one-sided 95% upper "
