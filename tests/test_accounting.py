@@ -110,13 +110,17 @@ def test_compression_ratio():
     assert compression_ratio(LLAMA_31_70B, INT4_KEEP) == 12.8
 
 
-def test_byte_counts_are_ints():
+def test_byte_counts_are_exact_ints():
     for scheme in (BF16, FP8, INT4, INT4_KEEP, Scheme.parse("int2-g32-r32")):
         for geom in (LLAMA_31_70B, DEEPSEEK_V3_MLA):
             _assert_exact_int(bytes_per_token(geom, scheme))
             _assert_exact_int(residual_bytes(geom, scheme))
             _assert_exact_int(context_bytes(geom, scheme, 1000))
             _assert_exact_int(article_view_bytes(geom, scheme, 1000))
+    tokens = 2**55 + 4  # not a float64: through a float it rounds to 2**55, and its quarter loses a token
+    assert kept_tokens(INT4_KEEP, tokens) == tokens // 4
+    for geom in (LLAMA_31_70B, DEEPSEEK_V3_MLA):
+        assert context_bytes(geom, BF16, tokens) == tokens * bytes_per_token(geom, BF16)
 
 
 def test_qwen25_05b_from_card():
