@@ -25,14 +25,14 @@ def cell(method, n, lost_every=0, cap=96, first=6, step=6, budget=0.5):
 
 
 def test_decided_at_and_its_round_and_why_cells_stay_open():
-    """A lossless cell is decided safe at sample 63 (round 11: 6, then 6 a round); a cell losing every answer is
+    """A lossless cell is decided safe at sample 66 (round 12: 6, then 6 a round); a cell losing every answer is
     unsafe at sample 6 (round 1); one losing every tenth that used all 96 prompts says it reached max_samples; one
     stopped at 30 says about how many more it needs."""
     rows = pd.DataFrame(cell("lossless", 70) + cell("broken", 12, lost_every=1) + cell("tenth", 96, lost_every=10)
                         + cell("short", 30, lost_every=10))
     c = cells(rows, Rule(), by=["model", "shape", "question_mode"]).set_index("method")
-    assert c.loc["lossless", "decision"] == "safe" and c.loc["lossless", "decided_at"] == 63
-    assert c.loc["lossless", "decided_round"] == 2 + (63 - 1 - 6) // 6 == 11
+    assert c.loc["lossless", "decision"] == "safe" and c.loc["lossless", "decided_at"] == 66
+    assert c.loc["lossless", "decided_round"] == 2 + (66 - 1 - 6) // 6 == 11
     assert c.loc["broken", "decision"] == "unsafe" and c.loc["broken", "decided_at"] == 6 and c.loc["broken", "decided_round"] == 1
     assert c.loc["tenth", "decision"] == "inconclusive" and c.loc["tenth", "cap"] == 96
     assert "reached max_samples (96)" in evidence(c.loc["tenth"].to_dict())
@@ -43,20 +43,21 @@ def test_decided_at_and_its_round_and_why_cells_stay_open():
 def test_section_shows_where_the_answers_went_and_ebh():
     rows = pd.DataFrame(cell("lossless", 70) + cell("broken", 12, lost_every=1) + cell("tenth", 96, lost_every=10))
     c = allocation.scored_cells(rows, Rule()).set_index("method")
-    # 3 cells, 6 tests: e-BH keeps the k largest e-values with e_(k) ≥ 6/(0.05·k): 120 for one, 60 for two
+    # 3 cells, 6 tests whose nulls split the line (3 true): e-BH at 2α keeps the k largest with e_(k) ≥ 3/(0.05·k):
+    # 60 for one, 30 for two
     e = {m: c.loc[m, "e_safe" if m == "lossless" else "e_unsafe"] for m in ("lossless", "broken")}
     assert min(e.values()) >= 20
-    expect = [e["broken"] >= 120 or min(e.values()) >= 60, e["lossless"] >= 120 or min(e.values()) >= 60]
+    expect = [e["broken"] >= 60 or min(e.values()) >= 30, e["lossless"] >= 60 or min(e.values()) >= 30]
     assert [c.loc["broken", "ebh"], c.loc["lossless", "ebh"]] == expect and not c.loc["tenth", "ebh"]
     spent = allocation.spent(c.reset_index()).set_index("decision")
     assert spent.loc["inconclusive", "samples spent"] == 96 and spent.loc["unsafe", "samples spent"] == 12
     html = allocation.body({"answers": rows}, Rule())
-    assert "<svg" in html and "2 of 3 scored cells are decided (1 safe, 1 unsafe)" in html
-    assert f"keeps {int(sum(expect))} of the 2 decisions" in html and "reached max_samples (96)" in html
+    assert "<svg" in html and "2 of 3 scored cells are decided per cell (1 safe, 1 unsafe)" in html
+    assert f"keeps {int(sum(expect))} of the 2 decisions" in html and "after 66 samples" in html and "reached max_samples (96)" in html
 
 
 def test_ebh_keeps_strong_decisions_across_a_table():
-    """Twenty cells that lose every answer over 30 samples: their e-values are far above 40/(0.05·20) = 40, so e-BH
+    """Twenty cells that lose every answer over 30 samples: their e-values are far above 20/(0.05·20) = 20, so e-BH
     keeps all twenty unsafe decisions."""
     rows = pd.DataFrame([r for k in range(20) for r in cell(f"m{k}", 30, lost_every=1)])
     c = allocation.scored_cells(rows, Rule())

@@ -11,6 +11,7 @@ old bound at 4.9-13.6% even at fixed n = 40-200.
 
 import numpy as np
 import pytest
+from scipy import optimize, stats
 
 from kvlab.anytime import ALPHA, ebh, sequence
 from kvlab.report.stats import drop_bounds, kl_bounds, mean_bounds
@@ -85,53 +86,63 @@ KL = 0.01  # nats: the decision's KL threshold (kvlab.report.decision.Rule.kl_sa
 
 
 def kl_samples(rng, n: int, mean: float, shape: str) -> np.ndarray:
-    """Per-sample KL with true mean `mean`: 'beta' (skewed, within the cap 5 × KL: 5 × KL × Beta(0.5, b)), 'spike'
-    (mostly 0.002 nat, sometimes at the cap: the hardest case inside it) or 'lognormal' (σ 1, unbounded: about 1.7%
-    of samples lie above the cap)."""
+    """Per-sample KL whose capped mean (each sample capped at 5 × KL, kl_bounds' estimand) is `mean`: 'beta' (skewed,
+    within the cap: 5 × KL × Beta(0.5, b)), 'spike' (mostly 0.002 nat, sometimes at the cap: the hardest case inside
+    it) or 'lognormal' (σ 1, unbounded: a few % of samples lie above the cap; scaled so its capped mean is `mean`)."""
     cap = 5 * KL
     if shape == "beta":
         m = mean / cap
         return cap * rng.beta(0.5, 0.5 * (1 - m) / m, n)
     if shape == "spike":
         return np.where(rng.random(n) < (mean - 0.002) / (cap - 0.002), cap, 0.002)
-    return mean * np.exp(rng.normal(-0.5, 1.0, n))
+    return lognormal_at(mean, 1.0) * np.exp(rng.normal(-0.5, 1.0, n))
+
+
+def capped_lognormal(scale: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] for a lognormal X of mean `scale` and log-sd `sigma`."""
+    mu = np.log(scale) - sigma**2 / 2
+    z = (np.log(cap) - mu) / sigma
+    return float(scale * stats.norm.cdf(z - sigma) + cap * stats.norm.sf(z))
+
+
+def lognormal_at(mean: float, sigma: float) -> float:
+    """The lognormal's mean whose capped mean (cap 5 × KL) is `mean`."""
+    return optimize.brentq(lambda s: capped_lognormal(s, sigma, 5 * KL) - mean, mean, 100 * mean)
 
 
 @pytest.mark.parametrize("n", [20, 40, 60, 100, 200])
 @pytest.mark.parametrize("shape", ["beta", "spike", "lognormal"])
 def test_kl_safe_rate_at_the_threshold(n, shape):
-    """The KL leg of the level test: a mean per-sample KL exactly at the threshold is called safe by kl_bounds (the
+    """The KL leg of the level test: a capped mean exactly at the threshold is called safe by kl_bounds (the
     decision table's and the claims' bound) in at most 5% of 400 cells, within simulation error, at each fixed n.
     The bootstrap kvlab used before (mean_bounds, still the tables' descriptive bounds) does not hold it on skewed
-    KL: with these seeds it calls 10.5% (beta), 14.8% (spike) and 19.5% (lognormal) safe at n = 20, and 15.3% of
-    lognormal cells at n = 40; asserted below where it fails by more than simulation error."""
+    KL within the cap: asserted at n = 20 for beta and spike, where it fails by more than simulation error."""
     rng = np.random.default_rng(n)
     data = [kl_samples(rng, n, KL, shape) for _ in range(CELLS)]
     assert np.mean([kl_bounds(x, KL).decide(KL) == "safe" for x in data]) <= ALPHA + SLACK
-    if n in (20, 40) and shape == "lognormal" or n == 20:
+    if n == 20 and shape != "lognormal":
         assert np.mean([mean_bounds(x, 10).decide(KL) == "safe" for x in data]) > ALPHA + SLACK
 
 
+def first_decision(x: np.ndarray) -> str:
+    """The decision a job reaches when it reads kl_bounds after every sample and stops at the first."""
+    at = kl_bounds(x, KL).decided_at
+    return kl_bounds(x[:at], KL).decide(KL) if at else "open"
+
+
 def test_kl_peeking_keeps_the_level_and_decides_both_ways():
-    """Peeking after every sample up to 200 and stopping at the first decision: a KL 10% above the threshold is
-    called safe in at most 5% of cells, one 10% below it unsafe in at most 5%. A cell far below is decided safe, one
-    far above unsafe, and one with a sample above the cap never safe."""
+    """Peeking after every sample up to 200 and stopping at the first decision: a capped mean 10% above the
+    threshold is called safe in at most 5% of cells, one 10% below it unsafe in at most 5%. A cell far below is
+    decided safe once the tail share's bound allows (32 samples at KL 0), one far above unsafe, and one with a
+    ninth of its samples above the cap never safe, though its capped mean is below the threshold."""
     rng = np.random.default_rng(5)
-    cap = 5 * KL
-
-    def first(x: np.ndarray) -> str:
-        s = sequence(np.clip(x, 0, cap), 0.0, cap, KL)
-        if s.down_at and (not s.up_at or s.down_at < s.up_at) and (x[: s.down_at] <= cap).all():
-            return "safe"
-        return "unsafe" if s.up_at else "open"
-
-    assert np.mean([first(kl_samples(rng, 200, 1.1 * KL, "beta")) == "safe" for _ in range(CELLS)]) <= ALPHA + SLACK
-    assert np.mean([first(kl_samples(rng, 200, 0.9 * KL, "beta")) == "unsafe" for _ in range(CELLS)]) <= ALPHA + SLACK
-    assert kl_bounds(np.full(15, 0.0), KL).decide(KL) == "safe"
-    assert kl_bounds(np.full(14, 0.0), KL).decide(KL) == "inconclusive"
+    assert np.mean([first_decision(kl_samples(rng, 200, 1.1 * KL, "beta")) == "safe" for _ in range(CELLS)]) <= ALPHA + SLACK
+    assert np.mean([first_decision(kl_samples(rng, 200, 0.9 * KL, "beta")) == "unsafe" for _ in range(CELLS)]) <= ALPHA + SLACK
+    assert kl_bounds(np.full(32, 0.0), KL).decide(KL) == "safe"
+    assert kl_bounds(np.full(31, 0.0), KL).decide(KL) == "inconclusive"
     assert kl_bounds(np.full(5, 0.2), KL).decide(KL) == "unsafe"
-    over = kl_bounds(np.append(np.zeros(60), 0.06), KL)
-    assert over.over_cap == 1 and over.high == np.inf and over.decide(KL) == "inconclusive"
+    tail = kl_bounds(np.where(np.arange(800) % 9 == 0, 0.06, 0.0), KL)
+    assert tail.over_cap == 89 and tail.high < KL and tail.decide(KL) == "inconclusive"
 
 
 def test_coverage_of_the_whole_sequence():
@@ -148,7 +159,7 @@ def test_coverage_of_the_whole_sequence():
 
 def test_a_lossless_cell_is_decided_at_the_binomial_floor_plus_a_few():
     """No level-5% test can call 58 lossless samples safe at 5 points (0.95^58 > 0.05: the exact binomial floor is
-    59); the betting bound decides at 63, and a cell losing every answer is unsafe at 6."""
+    59); the betting bound decides at 66, and a cell losing every answer is unsafe at 6."""
     assert 0.95**58 > ALPHA >= 0.95**59
     s = sequence(np.zeros(100), -1.0, 1.0, 0.05)
     assert 59 <= s.down_at <= 66 and s.up_at == 0 and s.high <= 0.05

@@ -4,6 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from kvlab.anytime import sequence
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule, article_comparison, c12_verdict, decision_table
 from kvlab.report.verdicts.cost import matches as _matches
@@ -113,8 +114,11 @@ def test_decision_table_names_undecided_methods_inconclusive_not_safe():
     assert needle["safe (most compression first)"] == "none" and needle["safe at ≥ 4×"] == "none"
     assert needle["inconclusive at ≥ 4×"].startswith("h2o@0.25 (4.0×): 0% [0%, 66%] vs full 100%")
     assert "snapkv@0.25 (4.0×): 100% [34%, 100%] vs full 100% [34%, 100%], drop +0.0 pts" in needle["inconclusive at ≥ 4×"]
-    # a lossless cell is decided safe at 63 samples and one that loses every answer unsafe at 6 (kvlab.anytime)
-    assert "drop +0.0 pts, bounds [-100.0, +100.0], n=2; needs about 61 more samples" in needle["inconclusive at ≥ 4×"]
+    # a lossless cell is decided safe at sequence(zeros).down_at samples (66) and one that loses every answer unsafe
+    # at 6 (kvlab.anytime): 2 here, so 64 and 4 more
+    lossless = sequence(np.zeros(200), -1.0, 1.0, 0.05).down_at
+    assert lossless == 66
+    assert f"drop +0.0 pts, bounds [-100.0, +100.0], n=2; needs about {lossless - 2} more samples" in needle["inconclusive at ≥ 4×"]
     assert "n=2; needs about 4 more samples" in needle["inconclusive at ≥ 4×"] and needle["unsafe at every budget"] == ""
 
 
@@ -179,27 +183,33 @@ def test_summary_and_claims_count_what_the_samples_decide():
                    row("kivi4", "single needle", "aware", 1.0, 1.0, scheme="kivi", bits=4, kind="quant", rows=2),
                    row("snapkv", "reasoning", "agnostic", 0.5, 0.0, full=0.0, press="SnapKVPress"))
     text = decided(rows, Rule())
-    assert "of 4 cells" in text and "samples decide 2: 1 safe, 1 unsafe, 1 inconclusive, 1 not judged" in text
+    assert "of 4 cells" in text and "the table decides 2: 1 safe, 1 unsafe, 1 inconclusive, 1 not judged" in text
+    assert "Cell by cell, 2 are decided (1 safe, 1 unsafe)" in text
     frame = pd.DataFrame({"verdict": ["holds", "holds", "inconclusive", "not measured"]})
     assert tally(frame) == "4 verdicts: 2 hold, 0 does not hold, 1 inconclusive, 1 not measured"
 
 
-def test_a_prose_cell_is_decided_on_its_kl_betting_bounds_and_a_sample_above_the_cap_blocks_safe():
-    """Prose cells use kl_bounds: 30 samples at 0.004 nat are safe at 0.01; the same with one sample at 0.2 (above
-    the cap, 5 × 0.01) keep a lower bound but no upper bound, so they are inconclusive and say why; 14 samples at 0
-    are too few (15 decide)."""
+def test_a_prose_cell_is_decided_on_its_capped_mean_and_its_tail_share():
+    """Prose cells use kl_bounds: 40 samples at 0.004 nat are safe at 0.01; the same with one sample at 0.2 (above
+    the cap, 5 × 0.01) are not yet (one in 40 above the cap leaves the tail share's bound over 10%), and the evidence
+    says so; with 150 samples that one spike is within the tail share and the cell is safe. KL 0 needs 32 samples:
+    the tail share's bound first falls under 10% there (the capped mean's at 24)."""
     from kvlab.report.decision import evidence, judge
 
     rule = Rule()
-    calm = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=30))
+    calm = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=40))
     assert judge(calm, rule)["decision"] == "safe"
     spiky = calm.copy()
-    spiky.loc[7, "kl_vs_full"] = 0.2
+    spiky.loc[0, "kl_vs_full"] = 0.2  # the first sample in draw order
     out = judge(spiky, rule)
-    assert out["decision"] == "inconclusive" and out["kl_over_cap"] == 1 and out["kl_high"] == np.inf
-    assert "no upper bound (1 samples above the cap)" in evidence(pd.Series(out))
-    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=14)), rule)["decision"] == "inconclusive"
-    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=15)), rule)["decision"] == "safe"
+    assert out["decision"] == "inconclusive" and out["kl_over_cap"] == 1 and out["kl_tail_high"] > rule.kl_tail_share
+    assert out["kl_high"] > rule.kl_safe and out["kl_tail_high"] > rule.kl_tail_share  # both still open at 40
+    assert "1 above the cap (share ≤ 14%)" in evidence(pd.Series(out))
+    longer = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=150))
+    longer.loc[0, "kl_vs_full"] = 0.2
+    assert judge(longer, rule)["decision"] == "safe"
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=31)), rule)["decision"] == "inconclusive"
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=32)), rule)["decision"] == "safe"
 
 
 def test_cells_judge_each_distinct_cell_once_and_a_changed_row_or_rule_anew():

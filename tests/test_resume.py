@@ -21,7 +21,7 @@ NEEDLE = {"kind": "niah", "context_tokens": [384], "depths": [0.2, 0.7], "sample
 # a 1-point tolerance decides nothing in 16 prompts: every round runs every variant
 RUN = {"methods": build(METHODS), "budgets": [0.5], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
        "noise_floor_samples": 2, "dtype": "float32", "device": "cpu", "threads": 1,
-       "sequential": {"max_samples": 16, "round": 2, "tolerance_points": 1.0}}
+       "sequential": {"max_samples": 16, "round": 2, "rule": {"tolerance_points": 1.0}}}
 TIMING = ("_s", "seconds", "wall", "rows_per_s")
 CHILD = """
 import sys

@@ -8,6 +8,7 @@ import pandas as pd
 from kvlab.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
 from kvlab.report.stats import drop_bounds, per_sample
+from kvlab.report.decision import Rule
 from kvlab.sequential import cell_drops, open_cells, per_point, planned
 from kvlab.tasks import generate
 
@@ -20,13 +21,13 @@ TIMING = ("_s", "seconds", "wall", "rows_per_s")
 def job(tmp_path, name: str, tiny_dir, max_samples: int, tolerance: float, round_: int = 2) -> pd.DataFrame:
     run = {"methods": build(METHODS), "budgets": [0.5, 0.1], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
            "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
-           "sequential": {"max_samples": max_samples, "round": round_, "tolerance_points": tolerance}}
+           "sequential": {"max_samples": max_samples, "round": round_, "rule": {"tolerance_points": tolerance}}}
     return run_job(tiny_dir, "niah_single", NEEDLE, 384, run, tmp_path / f"{name}.parquet")
 
 
 def decided(rows: pd.DataFrame, tolerance: float) -> bool:
     """Every question mode's cell of these rows (one variant, with the full rows) is safe or unsafe."""
-    return not open_cells(rows, tolerance)
+    return not open_cells(rows, Rule(tolerance_points=tolerance))
 
 
 def test_planned_prompts():
@@ -70,7 +71,7 @@ def test_decided_variants_stop_and_open_ones_go_on(tmp_path, tiny_dir):
             assert not decided(before, 60)
         assert g["draw"].max() == ends[last]
     if full["draw"].max() + 1 < 24:  # stopped early: nothing was open
-        assert not open_cells(rows, 60)
+        assert not open_cells(rows, Rule(tolerance_points=60))
 
 
 def test_two_runs_give_identical_rows_and_a_fixed_grid_stays_fixed(tmp_path, tiny_dir):
@@ -144,15 +145,15 @@ def test_prose_runs_in_rounds_and_stops_each_cell_on_its_kl_bounds(tmp_path, tin
     spec = {"kind": "continuation", "context_tokens": [256], "continuation_tokens": 16, "samples": 3, "seed": 0}
     run = {"methods": build(METHODS), "budgets": [0.5, 0.1], "question_modes": ["agnostic"], "max_new_tokens": 4,
            "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1,
-           "sequential": {"max_samples": 30, "round": 3, "tolerance_points": 5.0, "kl_safe": 0.01, "kl_cap_ratio": 5}}
+           "sequential": {"max_samples": 30, "round": 3, "rule": {"tolerance_points": 5.0, "kl_safe": 0.01, "kl_cap_ratio": 5}}}
     rows = run_job(tiny_dir, "prose", spec, 256, run, tmp_path / "prose.parquet")
     full = rows[rows["method_kind"] == "full"]
     assert rows["kl_vs_full"].notna().all() and full["round"].max() > 1
     for (method, budget), g in rows[rows["method_kind"] != "full"].groupby(["method", "budget"]):
         last = g["round"].max()
-        assert bool(open_cells(g, 5.0)) == (last == full["round"].max() and full["draw"].max() + 1 == 30)
+        assert bool(open_cells(g, Rule())) == (last == full["round"].max() and full["draw"].max() + 1 == 30)
         if last > 1:
-            assert open_cells(g[g["round"] < last], 5.0)  # still open before its last round
+            assert open_cells(g[g["round"] < last], Rule())  # still open before its last round
 
 
 def test_a_long_batch_reports_progress_on_a_heartbeat(tmp_path, tiny_dir, monkeypatch, caplog):

@@ -63,9 +63,9 @@ def test_two_samples_decide_nothing(method):
 
 
 def test_the_n_to_decide_decides_at_the_observed_effect():
-    """1 of 20 answers lost: inconclusive at 10 points; the same pattern (one loss in 20, spread evenly) is decided
-    safe within twice the n it names (the estimate assumes the best constant stake from the start, so it is low), and
-    not at a third of it."""
+    """1 of 20 answers lost: inconclusive at 10 points; the same pattern (one loss in 20, the samples repeated in
+    order) is decided safe at exactly the n it names (the estimate runs the same stakes on the samples repeated), and
+    not one sample before."""
     full, method = np.ones(20), np.r_[0.0, np.ones(19)]
     b = drop_bounds(full, method, 10)
     assert b.decide(10) == "inconclusive"
@@ -75,8 +75,8 @@ def test_the_n_to_decide_decides_at_the_observed_effect():
     def pattern(k):
         return drop_bounds(np.ones(k), (np.arange(k) % 20 != 0).astype(float), 10)
 
-    assert pattern(2 * n).decide(10) == "safe"
-    assert pattern(n // 3).decide(10) == "inconclusive"
+    assert pattern(n).decide(10) == "safe"
+    assert pattern(n - 1).decide(10) == "inconclusive"
 
 
 def cell(rows: list[tuple[str, float, float]]) -> pd.DataFrame:

@@ -22,28 +22,40 @@ A decision at a threshold θ is the same test at m = θ: 'safe' once U ≤ θ (t
 The wealth at θ at a cell's last sample is an e-value (the job stopped at a stopping time): e-BH over a table of
 them bounds the share of wrong decisions in the table (`ebh`).
 
-The stakes. The wealth is a mix (any mix of test martingales is one): a share WEIGHT is bet with the empirical
-Kelly stake at θ (the paper's GRAPA): stake t is the fraction in [0, c/width] that would have grown the wealth most
-over samples 1..t−1 (0 while none would). This is what makes decisions fast: a cell that never loses an answer
-stakes the cap from its second sample on, and one that loses answers stops betting on 'safe' until the losses look
-rare. The rest is bet with the predictable plug-in stake sqrt(2 log(1/α) / (σ̂² · t · log(1 + t))) (σ̂² from the
-earlier samples and one pseudo-sample at the middle of the range with variance (range/4)²), which keeps the bounds
-narrow away from θ. Neither stake depends on m except through the cap, so each wealth is monotone in m and the
-bounds are intervals. With c = 0.95, α = 0.05 and θ = 5 points, a cell that loses no answer is decided safe after
-63 samples (no level-5% test can do it before 59, the exact binomial floor) and one that loses every answer is
-decided unsafe after 6.
+The stakes. Each wealth is a mix of stakes fixed before the sample they bet on (any mix of test martingales is one).
+- Downward (the bet behind 'safe'): a share SAFE_WEIGHT is bet with the empirical Kelly stake at θ computed as if
+  PRIOR pseudo-samples at the neutral value (no change: 0) had come first, capped at SAFE_CAP of the largest stake.
+  The prior keeps the stake high after one early loss (plain empirical Kelly, the paper's GRAPA, drops to ~0.7 of
+  the cap after one loss in 60 and needed 181 samples to call such a cell safe; the exact binomial test at a fixed n
+  needs 93), and the cap keeps the loss that a stake at the very top of the range would take (×0.05) from costing
+  ~14 samples; losses that keep coming pull the stake down as plain Kelly would. The rest is bet with the predictable
+  plug-in stake sqrt(2 log(1/α) / (σ̂² · t · log(1 + t))) (σ̂² from the earlier samples and one pseudo-sample at the
+  middle of the range with variance (range/4)²), which keeps the upper bound finite for cells far above θ.
+- Upward (the bet behind 'unsafe'): a share WEIGHT with plain empirical Kelly at θ, the rest plug-in.
+Neither stake depends on m except through the cap, so each wealth is monotone in m and the bounds are intervals.
+The numbers this gives (α = 0.05, θ = 5 points, scores in [−1, 1]; tests/test_anytime.py computes each): a cell
+that loses no answer is decided safe after 66 samples (no level-5% test can before 59, the exact binomial floor),
+one with a single loss among its first 60 by 116, one that loses every answer unsafe after 6.
+
+Wealth is kept in logs: a cell of thousands of samples far from θ has a wealth past any float (e^709), so e-values
+are read as logs (`log_e_up`, `log_e_down`) and e-BH compares logs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
 ALPHA = 0.05  # one-sided error of each bound and each decision
 CAP = 0.95  # the largest share of the wealth a stake may risk (c above)
-WEIGHT = 0.9  # the share of the starting wealth bet with the Kelly stakes at the threshold (the rest: plug-in stakes)
+WEIGHT = 0.9  # upward: the share of the starting wealth bet with the Kelly stakes at the threshold (the rest: plug-in)
+SAFE_WEIGHT = 0.97  # downward: the share bet with the Kelly stakes after the prior (the rest: plug-in)
+SAFE_CAP = 0.94  # downward: the Kelly stakes' largest, as a share of the largest stake the range allows
+PRIOR = 200  # downward: pseudo-samples at the neutral value counted before the first real one
+HORIZON = 20_000  # `more` looks this far ahead (samples in all) before it calls a cell undecidable
 STAKES = 100  # stakes tried by the empirical Kelly choice, evenly in [0, cap]
 GRID = 2000  # points of m across [lo, hi] at which the bounds are read (the threshold is always one of them)
 
@@ -55,16 +67,38 @@ class Sequence:
     low, high: the one-sided (1 − α) bounds (running intersections); e_up, e_down: the e-values at the threshold
     (the upward and downward wealth at the last sample: the samples stopped at a stopping time, so each is an
     e-value by optional stopping); up_at, down_at: the sample (1-based) at which that wealth first reached 1/α, 0 if
-    never; more: about how many more samples like these the open side needs to decide
+    never; e_up, e_down: the same e-values (inf past the largest float); more: about how many more samples like these
+    the open side needs to decide
     (inf where no stake grows at these samples' mean, 0 when decided)."""
 
     low: float
     high: float
-    e_up: float
-    e_down: float
+    log_e_up: float
+    log_e_down: float
     up_at: int
     down_at: int
-    more: float
+    inputs: tuple = field(default=(), repr=False, compare=False)  # (x, lo, hi, threshold, neutral, alpha): for `more`
+
+    @cached_property
+    def more(self) -> float:
+        """About how many more samples like these the open side needs (0 when decided; computed when asked: it
+        runs the stakes over up to HORIZON samples)."""
+        if self.up_at or self.down_at:
+            return 0.0
+        return _more(*self.inputs) if self.inputs else math.inf
+
+    @property
+    def e_up(self) -> float:
+        return _exp(self.log_e_up)
+
+    @property
+    def e_down(self) -> float:
+        return _exp(self.log_e_down)
+
+
+def _exp(log_e: float) -> float:
+    """e^log_e, inf past the largest float (a wealth of thousands of samples can exceed it)."""
+    return math.exp(log_e) if log_e < 709 else math.inf
 
 
 def _plug_in(x: np.ndarray, lo: float, hi: float, alpha: float) -> np.ndarray:
@@ -79,23 +113,26 @@ def _plug_in(x: np.ndarray, lo: float, hi: float, alpha: float) -> np.ndarray:
     return np.sqrt(2 * math.log(1 / alpha) / (np.maximum(var, 1e-12) * t * np.log1p(t)))
 
 
-def _kelly(x: np.ndarray, threshold: float, cap: float, sign: int) -> np.ndarray:
+def _kelly(x: np.ndarray, threshold: float, cap: float, sign: int, prior: int = 0, neutral: float = 0.0) -> np.ndarray:
     """The predictable empirical Kelly stakes at `threshold` (the paper's GRAPA): stake t is the fraction in [0, cap]
-    that would have grown the wealth most over samples 1..t−1 (0 for the first sample, and whenever no stake grows)."""
+    that would have grown the wealth most over `prior` pseudo-samples at `neutral`, then samples 1..t−1 (0 whenever
+    no stake grows)."""
     lam = np.linspace(0, cap, STAKES + 1)
     grown = np.cumsum(np.log1p(sign * lam[:, None] * (x[None, :] - threshold)), axis=1)  # [stake, t]
     before = np.concatenate([np.zeros((len(lam), 1)), grown[:, :-1]], axis=1)
+    before += prior * np.log1p(sign * lam * (neutral - threshold))[:, None]
     return lam[np.argmax(before, axis=0)]
 
 
 def _log_wealth(x, m, kelly, plug_in, width, sign):
     """log of the mixed wealth W·K_kelly(m) + (1 − W)·K_plug-in(m) for every m (rows) and n (columns): sign +1
-    upward (width m − lo), −1 downward (width hi − m); each stake capped at CAP / width."""
+    upward (width m − lo, W = WEIGHT), −1 downward (width hi − m, W = SAFE_WEIGHT); each stake capped at CAP / width."""
     def log_k(stake):
         lam = np.minimum(stake[None, :], CAP / width[:, None])
         return np.cumsum(np.log1p(sign * lam * (x[None, :] - m[:, None])), axis=1)
 
-    return np.logaddexp(math.log(WEIGHT) + log_k(kelly), math.log(1 - WEIGHT) + log_k(plug_in))
+    weight = WEIGHT if sign > 0 else SAFE_WEIGHT
+    return np.logaddexp(math.log(weight) + log_k(kelly), math.log(1 - weight) + log_k(plug_in))
 
 
 def _bisect(grid: np.ndarray, test) -> int:
@@ -114,21 +151,33 @@ def _first(crossed: np.ndarray) -> int:
     return int(np.argmax(crossed)) + 1 if crossed.any() else 0
 
 
-def _growth(x: np.ndarray, threshold: float, cap: float, sign: int) -> float:
-    """The best per-sample log growth of a constant stake at `threshold` on these samples (0 if none grows)."""
-    lam = np.linspace(0, cap, 200)[1:]
-    g = np.log1p(sign * lam[:, None] * (x[None, :] - threshold)).mean(axis=1)
-    return float(max(g.max(), 0.0))
+def _more(x: np.ndarray, lo: float, hi: float, threshold: float, neutral: float, alpha: float) -> float:
+    """About how many more samples like these would decide the side they lean to: the samples repeated in the same
+    order (as the wealth would meet them if the cell went on alike), run through the same stakes until that side's
+    wealth at the threshold reaches the level; inf where it does not within HORIZON samples in all."""
+    n = len(x)
+    reps = max(2, -(-HORIZON // n))
+    more = np.tile(x, reps)
+    plug_in, level = _plug_in(more, lo, hi, alpha), math.log(1 / alpha)
+    at = np.array([threshold])
+    if x.mean() > threshold:
+        wealth = _log_wealth(more, at, _kelly(more, threshold, CAP / (threshold - lo), +1), plug_in, at - lo, +1)[0]
+    else:
+        stakes = _kelly(more, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(neutral, lo), hi))
+        wealth = _log_wealth(more, at, stakes, plug_in, hi - at, -1)[0]
+    crossed = np.flatnonzero(wealth[n:] >= level)
+    return float(crossed[0] + 1) if len(crossed) else math.inf
 
 
-def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA) -> Sequence:
+def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA, neutral: float = 0.0) -> Sequence:
     """The betting confidence sequence of the scores `x` (in the order they were gathered, each in [lo, hi]) at its
-    last sample, with the tests at `threshold`; empty `x`: the whole range."""
+    last sample, with the tests at `threshold`; `neutral`: the score of no change (the downward stakes' prior,
+    clipped to the range); empty `x`: the whole range."""
     x = np.asarray(x, float)
     if not lo < threshold < hi:
         raise ValueError(f"threshold {threshold} must lie strictly inside the scores' range [{lo}, {hi}]")
     if len(x) == 0:
-        return Sequence(lo, hi, 1.0, 1.0, 0, 0, math.inf)
+        return Sequence(lo, hi, 0.0, 0.0, 0, 0)
     if np.isnan(x).any():
         raise ValueError(f"scores must be numbers in [{lo}, {hi}]; got NaN at sample {int(np.argmax(np.isnan(x))) + 1}")
     if x.min() < lo - 1e-9 or x.max() > hi + 1e-9:
@@ -136,7 +185,7 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA) ->
     x = np.clip(x, lo, hi)
     plug_in = _plug_in(x, lo, hi, alpha)
     up = _kelly(x, threshold, CAP / (threshold - lo), +1)
-    down = _kelly(x, threshold, CAP / (hi - threshold), -1)
+    down = _kelly(x, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(neutral, lo), hi))
     grid = np.union1d(np.linspace(lo, hi, GRID + 1)[1:-1], [threshold])
     level = math.log(1 / alpha)
 
@@ -156,26 +205,60 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA) ->
     wealth_up = _log_wealth(x, at, up, plug_in, at - lo, +1)[0]
     wealth_down = _log_wealth(x, at, down, plug_in, hi - at, -1)[0]
     up_at, down_at = _first(wealth_up >= level), _first(wealth_down >= level)
-    e_up, e_down = math.exp(wealth_up[-1]), math.exp(wealth_down[-1])
-    if up_at or down_at:
-        more = 0.0
-    else:  # the side the samples lean to, at its best constant stake
-        sign, wealth, cap = (+1, wealth_up[-1], CAP / (threshold - lo)) if x.mean() > threshold else (-1, wealth_down[-1], CAP / (hi - threshold))
-        g = _growth(x, threshold, cap, sign)
-        more = math.ceil((level - max(wealth, 0.0)) / g) if g > 0 else math.inf
-    return Sequence(low, high, e_up, e_down, up_at, down_at, float(more))
+    return Sequence(low, high, float(wealth_up[-1]), float(wealth_down[-1]), up_at, down_at,
+                    (x, lo, hi, threshold, neutral, alpha))
 
 
-def ebh(e_values, alpha: float = ALPHA) -> np.ndarray:
+def wealth_at(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA,
+              neutral: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """The log wealth at the threshold of the upward and downward bets after each sample, for many cells at once:
+    `x` of shape (cells, n) (or (n,)), each row in draw order, every value in [lo, hi]. The same stakes as
+    `sequence` (a decision at the threshold is its wealth's first reaching log(1/α)); for simulations."""
+    x = np.atleast_2d(np.asarray(x, float))
+    lam_up = np.linspace(0, CAP / (threshold - lo), STAKES + 1)
+    lam_down = np.linspace(0, SAFE_CAP * CAP / (hi - threshold), STAKES + 1)
+
+    def kelly(lam, sign, prior):
+        grown = np.cumsum(np.log1p(sign * lam[:, None, None] * (x[None] - threshold)), axis=2)  # [stake, cell, t]
+        before = np.concatenate([np.zeros(grown.shape[:2] + (1,)), grown[:, :, :-1]], axis=2)
+        before += prior * np.log1p(sign * lam * (min(max(neutral, lo), hi) - threshold))[:, None, None]
+        return lam[np.argmax(before, axis=0)]  # [cell, t]
+
+    plug_in = np.stack([_plug_in(row, lo, hi, alpha) for row in x])
+
+    def wealth(stake, sign, weight):
+        cap = CAP / ((threshold - lo) if sign > 0 else (hi - threshold))
+        k = np.cumsum(np.log1p(sign * np.minimum(stake, cap) * (x - threshold)), axis=1)
+        p = np.cumsum(np.log1p(sign * np.minimum(plug_in, cap) * (x - threshold)), axis=1)
+        return np.logaddexp(math.log(weight) + k, math.log(1 - weight) + p)
+
+    return wealth(kelly(lam_up, +1, 0), +1, WEIGHT), wealth(kelly(lam_down, -1, PRIOR), -1, SAFE_WEIGHT)
+
+
+def samples_to_reach(value: float, lo: float, hi: float, threshold: float, e: float = 1 / ALPHA,
+                     limit: int = 10_000) -> int:
+    """How many samples all equal to `value` (below the threshold: no change, KL 0) the downward wealth at the
+    threshold needs to reach `e` (1/α: the cell's own 'safe'); 0 if `limit` do not. The counts quoted in kvlab's
+    texts come from here."""
+    x = np.full(limit, float(value))
+    at = np.array([threshold])
+    stakes = _kelly(x, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(value, lo), hi))
+    return _first(_log_wealth(x, at, stakes, _plug_in(x, lo, hi, ALPHA), hi - at, -1)[0] >= math.log(e))
+
+
+def ebh(e_values, alpha: float = ALPHA, log: bool = False) -> np.ndarray:
     """e-BH (Wang & Ramdas 2022): which of K hypotheses to reject so that the expected share of wrong rejections
-    among the rejected stays at most α, whatever the dependence between the e-values: the k largest, for the
-    largest k with e_(k) ≥ K / (α k)."""
+    among the rejected stays at most α·K₀/K (K₀: the true nulls), whatever the dependence between the e-values: the
+    k largest, for the largest k with e_(k) ≥ K / (α k). `log`: the values are log e-values (compared in logs)."""
     e = np.asarray(e_values, float)
     if len(e) == 0:
         return np.zeros(0, bool)
+    if not log:
+        with np.errstate(divide="ignore"):
+            e = np.log(e)
     order = np.argsort(-e, kind="stable")
     k = np.arange(1, len(e) + 1)
-    ok = e[order] >= len(e) / (alpha * k)
+    ok = e[order] >= np.log(len(e) / (alpha * k))
     keep = np.zeros(len(e), bool)
     if ok.any():
         keep[order[: int(k[ok].max())]] = True

@@ -174,7 +174,7 @@ def run_job(
     `run` holds the evaluation knobs: methods, budgets, question_modes, max_new_tokens, dtype, device, threads,
     noise_floor_samples (the noise floor is measured on the job's first samples; default: all), dtype_floor_samples
     (the first samples whose full rows the model in the other compute dtype reads again; default: none), and
-    sequential ({max_samples, round, tolerance_points, kl_safe, kl_cap_ratio}; default: the task's samples only). The job runs in rounds
+    sequential ({max_samples, round, rule: the Rule fields it stops on}; default: the task's samples only). The job runs in rounds
     (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
     and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
     `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
@@ -186,7 +186,7 @@ def run_job(
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
-    plan = run.get("sequential", {"max_samples": 0, "round": 1, "tolerance_points": 5.0})
+    plan = run.get("sequential", {"max_samples": 0, "round": 1})
     samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
     grid = variants(run["methods"], run["budgets"], task)
     cap = max_new_tokens(task_spec, run["max_new_tokens"])
@@ -262,8 +262,7 @@ def run_job(
             for r in rows[before:]:
                 r["round_s"] = seconds  # the round's wall seconds (its rows share them)
             if done < len(samples):
-                still = open_cells(pd.DataFrame(rows), plan["tolerance_points"], plan.get("kl_safe", Rule.kl_safe),
-                                   plan.get("kl_cap_ratio", Rule.kl_cap_ratio))
+                still = open_cells(pd.DataFrame(rows), Rule(**plan.get("rule", {})))
                 active = [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
                 log.info("round %d done (%d samples): %d of %d variants have an open cell (%d cells open)", round_, done,
                          len(active) - 1, len(grid) - 1, sum(map(len, still.values())))

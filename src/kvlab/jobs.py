@@ -31,9 +31,8 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
         run["sequential"] = {
             "max_samples": config["tasks"][task].get("max_samples", seq["max_samples"]),
             "round": seq["round"],
-            "tolerance_points": decision["tolerance_points"],
-            "kl_safe": decision["kl_safe"],
-            "kl_cap_ratio": decision["kl_cap_ratio"],
+            "rule": {k: decision[k] for k in ("tolerance_points", "kl_safe", "kl_cap_ratio", "kl_tail_share",
+                                              "planned_share")},
         }
     return {"methods": for_task(methods, task), **run}
 

@@ -4,15 +4,17 @@ A job (a task at one context length) first runs the task's `samples` on every va
 of the job (method × budget × question mode) is decided as the report decides it: the paired per-sample drop
 against the full cache, bounded by a betting confidence sequence (kvlab.report.stats.drop_bounds, kvlab.anytime),
 safe when its upper bound is within the tolerance, unsafe when its lower bound reaches it. Those bounds hold at
-every n at once, so stopping on them keeps their level. The next `round` prompts go to the full cache (always: the
-reference) and to the variants with an open cell, each only for the compressions its open question modes need
-(kvlab.engine.sample); the job ends when none is open or `max_samples` prompts ran.
+every n at once, so stopping on them keeps their level. A decided cell stays open until the e-value of its
+decision also reaches the table's stopping level, 1/(α · decision.planned_share) (kvlab.report.decision.Rule.stop_e):
+then e-BH over the whole table keeps it whenever that share of the table is decided. The next `round` prompts go
+to the full cache (always: the reference) and to the variants with an open cell, each only for the compressions
+its open question modes need (kvlab.engine.sample); the job ends when none is open or `max_samples` prompts ran.
 Prompts are drawn index by index (kvlab.tasks.base.grid_samples), so a longer run only adds prompts, and stopping
 depends on the answers alone, so two runs give the same rows.
 
 Prose tasks (kind continuation) are scored by their per-sample KL against the full cache, decided as the report
-decides it too (kvlab.report.stats.kl_bounds: a betting sequence on the KL clipped to kl_cap_ratio × kl_safe, whose
-upper bound assumes no sample's KL exceeds that cap), so they run in rounds as well.
+decides it too (kvlab.report.stats.kl_bounds: the capped mean and the share above the cap), so they run in rounds
+as well.
 """
 
 from __future__ import annotations
@@ -45,19 +47,28 @@ def cell_drops(rows: pd.DataFrame) -> pd.DataFrame:
     return other.merge(full.rename(columns={"score": "full_score"}), on=["sample_id", "question_mode", "turn"])
 
 
-def open_cells(rows: pd.DataFrame, tolerance_points: float, kl_safe: float = Rule.kl_safe,
-               kl_cap_ratio: float = Rule.kl_cap_ratio) -> dict[tuple[str, float], set[str]]:
-    """(method, budget) -> its question modes whose cell is neither safe nor unsafe yet (pairs with none left out):
-    scored answers by their paired drop at `tolerance_points`, prose by its per-sample KL at `kl_safe`."""
+def settled(b, threshold: float, rule: Rule) -> bool:
+    """A cell the job may stop: decided, and the e-value of its decision at its last sample at least rule.stop_e."""
+    decision = b.decide(threshold)
+    log_e = b.log_e_safe if decision == "safe" else b.log_e_unsafe if decision == "unsafe" else -math.inf
+    return log_e >= math.log(rule.stop_e)
+
+
+def open_cells(rows: pd.DataFrame, rule: Rule) -> dict[tuple[str, float], set[str]]:
+    """(method, budget) -> its question modes whose cell is not yet settled (`settled`; pairs with none left out):
+    scored answers by their paired drop at rule.tolerance_points, prose by its per-sample KL at rule.kl_safe."""
     keys = ["method", "budget", "question_mode"]
     scored = cell_drops(rows[rows["score"].notna()]) if "score" in rows else rows.iloc[:0]
     prose = rows[(rows["method_kind"] != "full") & rows["kl_vs_full"].notna()] if "kl_vs_full" in rows else rows.iloc[:0]
     out: dict[tuple[str, float], set[str]] = {}
     for (method, budget, mode), g in scored.groupby(keys, sort=False):
         s = per_sample(g, ["full_score", "score"])
-        if drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), tolerance_points).decide(tolerance_points) == "inconclusive":
+        b = drop_bounds(s["full_score"].to_numpy(), s["score"].to_numpy(), rule.tolerance_points)
+        if not settled(b, rule.tolerance_points, rule):
             out.setdefault((method, float(budget)), set()).add(mode)
     for (method, budget, mode), g in prose.groupby(keys, sort=False):
-        if kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), kl_safe, kl_cap_ratio).decide(kl_safe) == "inconclusive":
+        b = kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), rule.kl_safe, rule.kl_cap_ratio,
+                      rule.kl_tail_share)
+        if not settled(b, rule.kl_safe, rule):
             out.setdefault((method, float(budget)), set()).add(mode)
     return out

@@ -15,7 +15,7 @@ import duckdb
 import pandas as pd
 
 from kvlab.io import atomic_path
-from kvlab.report.decision import Rule
+from kvlab.report.decision import Rule, annotate
 from kvlab.report.html import esc, section
 from kvlab.report.sections import SECTIONS, accuracy, quant, verdict_grid
 
@@ -56,6 +56,7 @@ def build(db_path: str | Path, out_path: str | Path, title: str, figures: dict[s
         q = {name: run(con, name, sql, db_path) for name, sql in queries.items()}
     finally:
         con.close()
+    q["answers"] = annotate(q["answers"], rule)  # the table's e-BH, once over every job cell: each section prints it
     prov = dict(zip(q["provenance"]["key"], q["provenance"]["value"]))
     parts = [
         f"<h1>{esc(title)}</h1>",

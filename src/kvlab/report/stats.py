@@ -7,13 +7,15 @@
   threshold it will be decided at. A sample is the unit: its rows (turns, question modes pooled into one cell)
   are averaged first, so rows of one sample never count as independent draws, and the samples enter in the order
   they were drawn (task, context length, draw), the order the stopping rule saw them.
-- prose KL against a threshold (decisions and claims): the betting confidence sequence of the per-sample KL clipped
-  to [0, cap], cap = `ratio` × the threshold (kl_bounds). Clipping only lowers a value, so the lower bound (behind
-  'unsafe') holds for any KL. A mean of an unbounded variable has no distribution-free upper bound, so the upper
-  bound (behind 'safe') assumes each sample's KL is at most the cap; the samples check it, and a cell with one above
-  it keeps no upper bound (it can be unsafe or inconclusive, never safe). Both keep their level under early
-  stopping, so prose jobs run in rounds too. Per-token KL is averaged within a sample first (its tokens are
-  correlated): an eval row's kl_vs_full already is that mean.
+- prose KL against a threshold θ (decisions and claims), kl_bounds. A mean of an unbounded variable has no
+  distribution-free upper bound: one document in a hundred with a KL of 1 nat moves the mean by 0.01 nat and is
+  missed by most runs of 60 samples. So the verdict is about two bounded quantities, each with its own betting
+  confidence sequence: the **capped mean**, the mean of each sample's KL capped at cap = `ratio` × θ, and the
+  **tail share**, the share of samples whose KL exceeds the cap. 'safe' means: capped mean ≤ θ and tail share ≤
+  `tail_share` (both upper bounds, one-sided 95%; an intersection of two tests needs no split of α); 'unsafe' means
+  the capped mean's lower bound reaches θ, which also bounds the plain mean (capping only lowers a value). Both
+  keep their level under early stopping, so prose jobs run in rounds too. Per-token KL is averaged within a sample
+  first (its tokens are correlated): an eval row's kl_vs_full already is that mean.
 - a shown mean without a threshold (KL in the tables, answer lengths): bootstrap over samples
   (scipy.stats.bootstrap) at a fixed n, descriptive (mean_bounds).
 - decide: 'safe' when the one-sided 95% upper bound of the drop (or KL) is at most the threshold, 'unsafe' when
@@ -25,13 +27,14 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvlab.anytime import sequence
+from kvlab.anytime import samples_to_reach, sequence
 
 LEVEL = 0.95  # every interval's confidence (two-sided for accuracy; one-sided for each bound of a decision)
 Z = stats.norm.ppf(LEVEL)  # one-sided z of the decision bounds (1.645)
@@ -70,15 +73,27 @@ class Bounds:
     n: int
     sd: float
     min_n: int = 0  # fewer samples than this decide nothing (mean_bounds)
-    more: float | None = None  # drop_bounds: about how many more samples like these would decide it (kvlab.anytime)
-    e_safe: float = float("nan")  # drop_bounds: the e-values of the tests at the threshold (safe, unsafe), at the
-    e_unsafe: float = float("nan")  # last sample
+    more_of: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # drop_bounds, kl_bounds:
+    # about how many more samples like these would decide it (kvlab.anytime), computed when asked
+    log_e_safe: float = float("nan")  # drop_bounds, kl_bounds: the logs of the e-values of the tests at the threshold
+    log_e_unsafe: float = float("nan")  # (safe, unsafe) at the last sample
     decided_at: int = 0  # drop_bounds: the sample (1-based, in draw order) at which the decision was reached, 0 if open
-    over_cap: int = 0  # kl_bounds: samples whose KL exceeded the cap (then no upper bound)
+    over_cap: int = 0  # kl_bounds: samples whose KL exceeded the cap
+    tail_high: float = 0.0  # kl_bounds: the upper bound of the share of samples above the cap
+    tail_limit: float = 1.0  # kl_bounds: the largest tail share a safe cell may have
+
+    @property
+    def e_safe(self) -> float:
+        return math.exp(self.log_e_safe) if self.log_e_safe < 709 else math.inf
+
+    @property
+    def e_unsafe(self) -> float:
+        return math.exp(self.log_e_unsafe) if self.log_e_unsafe < 709 else math.inf
 
     def decide(self, threshold: float) -> str:
-        """'safe' (upper bound ≤ threshold), 'unsafe' (lower bound ≥ threshold) or 'inconclusive'."""
-        if self.high <= threshold:
+        """'safe' (upper bound ≤ threshold, and the tail share's within its limit), 'unsafe' (lower bound ≥
+        threshold) or 'inconclusive'."""
+        if self.high <= threshold and self.tail_high <= self.tail_limit:
             return "safe"
         return "unsafe" if self.low >= threshold else "inconclusive"
 
@@ -86,8 +101,8 @@ class Bounds:
         """Samples that would decide it in all if the observed ones went on alike: for a drop, n + the betting
         sequence's `more` (also for a KL); for a bootstrap mean the normal approximation n = (z·sd / |mean − threshold|)² (at least
         min_n); inf where the mean sits on the threshold, nan where one sample gives no spread."""
-        if self.more is not None:
-            return self.n + self.more
+        if self.more_of is not None:
+            return self.n + self.more_of()
         gap = abs(self.mean - threshold)
         if not np.isfinite(self.sd):
             return float("nan")
@@ -118,38 +133,59 @@ def drop_bounds(full: np.ndarray, method: np.ndarray, threshold: float, share: f
     its one-sided 95% bounds from the betting confidence sequence of the per-sample drops (kvlab.anytime), in the
     order given (the order the samples were drawn), its bets tuned to `threshold` (points), the value it is decided
     at. Scores lie in [0, 1], so a drop lies in [−1, share]; no sample decides anything on its own, and a cell that
-    never loses an answer is decided safe at 5 points after 65 samples."""
+    never loses an answer is decided safe at 5 points after 66 samples (tests/test_anytime.py)."""
     d = share * np.asarray(full, float) - np.asarray(method, float)
     if len(d) == 0:
-        return Bounds(float("nan"), -100.0, 100 * share, 0, float("nan"), more=math.inf)
+        return Bounds(float("nan"), -100.0, 100 * share, 0, float("nan"), more_of=lambda: math.inf)
     s = sequence(d, -1.0, share, threshold / 100)
     decided = [at for at in (s.down_at, s.up_at) if at]
     return Bounds(float(100 * d.mean()), 100 * s.low, 100 * s.high, len(d),
                   float(100 * np.std(d, ddof=1)) if len(d) > 1 else float("nan"),
-                  more=s.more, e_safe=s.e_down, e_unsafe=s.e_up, decided_at=min(decided, default=0))
+                  more_of=lambda: s.more, log_e_safe=s.log_e_down, log_e_unsafe=s.log_e_up, decided_at=min(decided, default=0))
 
 
-def kl_bounds(values: np.ndarray, threshold: float, ratio: float = 5.0) -> Bounds:
-    """Mean per-sample KL (nats) with its one-sided 95% bounds from the betting confidence sequence (kvlab.anytime)
-    of the KL clipped to [0, ratio × threshold], in the order given (draw order), its bets tuned to `threshold`.
-    The lower bound holds for any KL; the upper bound assumes every sample's KL is at most the cap, and is inf once
-    a sample exceeds it. Valid at every n at once, so a job may stop on it. With ratio 5, a cell whose KL stays
-    near 0 is decided safe after 15 samples; one at 0.74 × the threshold (4-bit KIVI on prose) after about 50."""
+TAIL_SHARE = 0.1  # config decision.kl_tail_share's default: the largest share of prose samples above the cap a safe cell may have
+
+
+def kl_bounds(values: np.ndarray, threshold: float, ratio: float = 5.0, tail_share: float = TAIL_SHARE) -> Bounds:
+    """Per-sample KL (nats) against `threshold` θ, in the order given (draw order): `mean` the plain mean; `low`,
+    `high` the one-sided 95% betting bounds (kvlab.anytime) of the capped mean (each sample's KL capped at
+    ratio × θ); `tail_high` the upper bound of the share of samples above the cap, `over_cap` their count. Safe
+    when high ≤ θ and tail_high ≤ tail_share; unsafe when low ≥ θ (which bounds the plain mean too). The safe test's
+    e-value is the smaller of the two tests' (an e-value for either null), decided at the later of their crossings.
+    Valid at every n at once, so a job may stop on it (tests/test_anytime.py counts what a cell needs)."""
     x = np.asarray(values, float)
     cap = ratio * threshold
-    if not (threshold > 0 and ratio > 1):
-        raise ValueError(f"a KL threshold must be > 0 and its cap ratio > 1; got threshold {threshold}, ratio {ratio}")
+    if not (threshold > 0 and ratio > 1 and 0 < tail_share < 1):
+        raise ValueError(f"a KL threshold must be > 0, its cap ratio > 1 and its tail share in (0, 1); got threshold "
+                         f"{threshold}, ratio {ratio}, tail share {tail_share}")
     if np.isnan(x).any():
         raise ValueError(f"per-sample KL must be numbers; got NaN at sample {int(np.argmax(np.isnan(x))) + 1}")
-    over = int((x > cap).sum())
     if len(x) == 0:
-        return Bounds(float("nan"), 0.0, math.inf, 0, float("nan"), more=math.inf)
+        return Bounds(float("nan"), 0.0, cap, 0, float("nan"), more_of=lambda: math.inf, tail_high=1.0,
+                      tail_limit=tail_share)
+    over = x > cap
     s = sequence(np.clip(x, 0.0, cap), 0.0, cap, threshold)  # KL ≥ 0; rounding can leave −1e-7
-    down_at = 0 if over else s.down_at
-    return Bounds(float(x.mean()), s.low, math.inf if over else s.high, len(x),
-                  float(np.std(x, ddof=1)) if len(x) > 1 else float("nan"),
-                  more=math.inf if over and not s.up_at else s.more, e_safe=math.nan if over else s.e_down,
-                  e_unsafe=s.e_up, decided_at=min([at for at in (down_at, s.up_at) if at], default=0), over_cap=over)
+    t = sequence(over.astype(float), 0.0, 1.0, tail_share)
+    safe_at = max(s.down_at, t.down_at) if s.down_at and t.down_at else 0
+
+    def more() -> float:
+        return s.more if t.down_at or s.up_at else max(s.more, t.more)
+
+    return Bounds(float(x.mean()), s.low, s.high, len(x), float(np.std(x, ddof=1)) if len(x) > 1 else float("nan"),
+                  more_of=more, log_e_safe=min(s.log_e_down, t.log_e_down), log_e_unsafe=s.log_e_up,
+                  decided_at=min([at for at in (safe_at, s.up_at) if at], default=0), over_cap=int(over.sum()),
+                  tail_high=t.high, tail_limit=tail_share)
+
+
+def lossless_samples(tolerance_points: float, e: float = 20.0) -> int:
+    """Samples a cell that loses no answer needs before its drop's e-value reaches `e` (20 = 1/α: decided safe)."""
+    return samples_to_reach(0.0, -1.0, 1.0, tolerance_points / 100, e)
+
+
+def quiet_kl_samples(threshold: float, ratio: float = 5.0, tail_share: float = TAIL_SHARE, e: float = 20.0) -> int:
+    """Samples a prose cell whose KL stays 0 needs before both of its safe tests' e-values reach `e`."""
+    return max(samples_to_reach(0.0, 0.0, ratio * threshold, threshold, e), samples_to_reach(0.0, 0.0, 1.0, tail_share, e))
 
 
 def mean_bounds(values: np.ndarray, min_samples: int) -> Bounds:
@@ -180,10 +216,10 @@ def all_of(verdicts: list[str]) -> str:
 
 
 def shown(b: Bounds, unit: str, digits: str = ".3g") -> str:
-    """'mean unit [low, high], n=…' (bounds as 'too few samples to bound it' under min_n; a KL with samples above
-    its cap shows its lower bound alone)."""
-    if b.over_cap:
-        bounds = f"[{b.low:{digits}}, no upper bound: {b.over_cap} samples above the cap]"
-    else:
-        bounds = f"[{b.low:{digits}}, {b.high:{digits}}]" if np.isfinite(b.high) else "(too few samples to bound it)"
+    """'mean unit [low, high], n=…' (bounds as 'too few samples to bound it' under min_n; a KL's bounds are its
+    capped mean's, followed by its samples above the cap and the tail share's upper bound)."""
+    bounds = f"[{b.low:{digits}}, {b.high:{digits}}]" if np.isfinite(b.high) else "(too few samples to bound it)"
+    if b.tail_limit < 1:
+        bounds = (f"capped mean {bounds}; {b.over_cap} of {b.n} samples above the cap, share ≤ {b.tail_high:.0%} "
+                  f"(limit {b.tail_limit:.0%})")
     return f"{b.mean:{digits}}{unit} {bounds}, n={b.n}"

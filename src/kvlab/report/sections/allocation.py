@@ -1,12 +1,12 @@
 """Where the answers went: each decision cell's samples, the round that decided it, and the false-decision rate
-across the table (e-BH over the cells' e-values)."""
+across the table (e-BH over the job cells' e-values, kvlab.report.decision.annotate)."""
 
 import altair as alt
-import numpy as np
 import pandas as pd
 
-from kvlab.anytime import ALPHA, ebh
+from kvlab.anytime import ALPHA
 from kvlab.report.decision import Rule, cells, why_open
+from kvlab.report.stats import lossless_samples, quiet_kl_samples
 from kvlab.report.html import svg, table
 
 TITLE = "Where the answers went: decisions and the samples they took"
@@ -15,16 +15,13 @@ KEYS = ["model", "shape", "question_mode", "method", "budget"]
 
 
 def scored_cells(rows: pd.DataFrame, rule: Rule) -> pd.DataFrame:
-    """The cells of the decision table (scored answers and prose KL), each with `ebh`: whether its decision survives
-    e-BH at ALPHA over every cell's two tests (safe and unsafe; a KL cell with a sample above its cap has no safe
-    test: e-value 1)."""
+    """The cells of the decision table (scored answers and prose KL), each with `ebh`: whether e-BH over the whole
+    table keeps its decision (kvlab.report.decision.kept: each job cell's two tests)."""
     if rows.empty:
         return pd.DataFrame()
     c = cells(rows, rule, by=["model", "shape", "question_mode"])
     c = c[c["decision"].isin(["safe", "unsafe", "inconclusive"])].reset_index(drop=True)
-    kept = ebh(np.nan_to_num(np.r_[c["e_safe"].to_numpy(), c["e_unsafe"].to_numpy()], nan=1.0), ALPHA)
-    safe, unsafe = kept[: len(c)], kept[len(c):]
-    c["ebh"] = np.where(c["decision"] == "safe", safe, np.where(c["decision"] == "unsafe", unsafe, False))
+    c["ebh"] = c["decision"].isin(["safe", "unsafe"]) & (c["table_decision"] == c["decision"])
     return c
 
 
@@ -63,30 +60,34 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         return "<p>No scored cell in this run.</p>"
     decided = c[c["decision"] != "inconclusive"]
     kept = int(c["ebh"].sum())
+    lossless, stop = lossless_samples(rule.tolerance_points), lossless_samples(rule.tolerance_points, rule.stop_e)
+    quiet = quiet_kl_samples(rule.kl_safe, rule.kl_cap_ratio, rule.kl_tail_share)
     return (
         f"<p>Each evaluation job runs in rounds (config <code>sequential</code>, src/kvlab/sequential.py): its task's "
         f"first samples on every method, then a few prompts at a time on the full cache and on the methods with a cell "
-        f"still undecided, until none is or the job reaches <code>max_samples</code>. Cells that fail fast stop early, "
+        f"still open, until none is or the job reaches <code>max_samples</code>. Cells that fail fast stop early, "
         f"and the prompts go to the cells that look lossless, the only ones that can be called safe. The bounds behind "
         f"every decision are betting confidence sequences over samples in draw order (kvlab.anytime): at each cell's "
         f"threshold, the chance of calling a method safe whose true drop is at least {rule.tolerance_points:g} points, or "
-        f"unsafe when it is at most that, is at most {ALPHA:.0%} at every n at once, so the rule that stopped the job "
-        f"cannot bias them. A cell that loses no answer is decided safe after 63 samples. Prose cells are decided the "
-        f"same way on their per-sample KL against {rule.kl_safe:g} nat, a range assumed: each sample's KL at most "
-        f"{rule.kl_cap_ratio:g} × the threshold (a cell with one above it is never called safe); a KL near 0 is safe "
-        f"after 15 samples.</p>"
-        f"<p><b>Across the table:</b> {len(decided)} of {len(c)} scored cells are decided "
-        f"({int((c['decision'] == 'safe').sum())} safe, {int((c['decision'] == 'unsafe').sum())} unsafe). Each decision "
-        f"holds its own {ALPHA:.0%} level; taken together, if every one of them were a true null, chance alone would "
-        f"make about {ALPHA * len(decided):.1f} of them wrong. e-BH (Wang &amp; Ramdas 2022) over the cells' e-values "
-        f"(each cell's safe and unsafe test, {2 * len(c)} in all) keeps {kept} of the {len(decided)} decisions with the "
-        f"expected share of wrong ones among them at most {ALPHA:.0%}, whatever the dependence between cells; the column "
-        f"'kept by e-BH' marks them.</p>"
+        f"unsafe when it is below that, is at most {ALPHA:.0%} at every n at once, so the rule that stopped the job "
+        f"cannot bias them. A cell that loses no answer is decided safe after {lossless} samples. Prose cells are decided "
+        f"the same way on their per-sample KL against {rule.kl_safe:g} nat, each sample capped at "
+        f"{rule.kl_cap_ratio:g} × the threshold, and with at most {rule.kl_tail_share:.0%} of samples above the cap; a "
+        f"KL near 0 is safe after {quiet} samples. A decided cell stays open until the e-value of its decision reaches "
+        f"1/({ALPHA:g} × {rule.planned_share:g}) = {rule.stop_e:.3g} (config <code>decision.planned_share</code>): a "
+        f"lossless cell then runs to {stop} samples.</p>"
+        f"<p><b>Across the table:</b> {len(decided)} of {len(c)} scored cells are decided per cell "
+        f"({int((c['decision'] == 'safe').sum())} safe, {int((c['decision'] == 'unsafe').sum())} unsafe). Two "
+        f"guarantees: <b>each cell's own decision</b> is wrong with chance at most {ALPHA:.0%}; <b>the table's "
+        f"decisions</b>, those that e-BH (Wang &amp; Ramdas 2022) over every job cell's e-values keeps, contain wrong "
+        f"ones at an expected share of at most {ALPHA:.0%}, whatever the dependence between cells (a method whose drop "
+        f"equals the tolerance counts as unsafe). e-BH keeps {kept} of the {len(decided)} decisions; the decision "
+        f"table, the grid and the summary print those, and the column 'kept by e-BH' marks them.</p>"
         + svg(chart(c)) + table(spent(c))
         + "<h3>Every scored cell</h3><p class='note'>samples: distinct prompts (a sample's turns averaged); max samples: "
         "what its jobs could reach; decided at sample: the sample (in draw order) at which its bound first decided it, "
         "and the evaluation round that sample ran in; e_safe, e_unsafe: the e-values of its two tests at its last "
-        f"sample (a decision needed {1 / ALPHA:g} at some sample); why open: it reached max_samples, or about how many more "
+        f"sample (a cell's own decision needed {1 / ALPHA:g} at some sample); why open: it reached max_samples, or about how many more "
         "samples like its own would decide it.</p>"
         + table(per_cell(c))
     )

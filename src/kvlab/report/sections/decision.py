@@ -10,24 +10,28 @@ TITLE = "Decision table (article §7.2), regenerated"
 QUERIES = ("answers",)
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "kv_fraction_bf16", "samples", "answers", "accuracy",
          "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
-         "kl_low", "kl_high", "decision", "decided_at", "n_to_decide"]
+         "kl_low", "kl_high", "kl_over_cap", "kl_tail_high", "decision", "table_decision", "jobs", "decided_at", "n_to_decide"]
 
 
 def rule_text(rule: Rule) -> str:
     return (
         f"a method is <b>safe</b> at a budget when the one-sided 95% upper bound of its accuracy drop vs the full "
         f"cache on the same samples is at most {rule.tolerance_points:g} points (config <code>decision.tolerance_points</code>), "
-        f"<b>unsafe</b> when the lower bound reaches it, and <b>inconclusive</b> otherwise; on prose, with no answers "
-        f"to score, the same rule holds for its per-token KL against {rule.kl_safe:g} nat (config "
-        f"<code>decision.kl_safe</code>). Bounds of a drop: a betting confidence sequence over the per-sample paired "
-        f"drops in draw order (kvlab.anytime; turns of a sample averaged first), valid at every n at once, so the "
-        f"evaluation jobs' early stopping keeps each decision's error at most 5%: a method whose true drop is at least "
-        f"the tolerance is called safe, or one whose drop is at most it unsafe, in at most 5% of cells. Bounds of a "
-        f"KL: the same betting sequence over the per-sample KL clipped to {rule.kl_cap_ratio:g} × the threshold "
-        f"(<code>decision.kl_cap_ratio</code>). Clipping only lowers a KL, so the lower bound (unsafe) keeps its 5% "
-        f"for any KL; a mean of unbounded KL has no distribution-free upper bound, so the upper bound (safe) keeps it "
-        f"when no sample's KL exceeds the cap, and a cell with a sample above it is never called safe. "
-        f"Accuracy intervals: Wilson 95%"
+        f"<b>unsafe</b> when the lower bound reaches it, and <b>inconclusive</b> otherwise. Bounds of a drop: a "
+        f"betting confidence sequence over the per-sample paired drops in draw order (kvlab.anytime; turns of a "
+        f"sample averaged first), valid at every n at once, so the evaluation jobs' early stopping keeps each "
+        f"decision's error at most 5%. On prose, with no answers to score, the verdict is about the per-token KL "
+        f"against {rule.kl_safe:g} nat (config <code>decision.kl_safe</code>), each sample's KL capped at "
+        f"{rule.kl_cap_ratio:g} × that (<code>decision.kl_cap_ratio</code>): safe when the upper bound of the capped "
+        f"mean is at most {rule.kl_safe:g} nat and the upper bound of the share of samples above the cap at most "
+        f"{rule.kl_tail_share:.0%} (<code>decision.kl_tail_share</code>); unsafe when the capped mean's lower bound "
+        f"reaches {rule.kl_safe:g} nat (the plain mean is then at least that too). A mean of uncapped KL has no "
+        f"bound a run can trust: one document in a hundred at 1 nat moves it by 0.01 nat and most runs never see it. "
+        f"A cell is tested on the samples of one evaluation job (a task at one context length); a row that spans "
+        f"several jobs is safe when every job's cell is, unsafe when any is (its chance of a wrong 'unsafe' adds up "
+        f"over its jobs). The tables print the <b>table's decisions</b>: those e-BH keeps over every job cell of the "
+        f"run, so that the expected share of wrong ones among them is at most 5% (a cell decided on its own but not "
+        f"kept is listed as inconclusive, and its evidence says so). Accuracy intervals: Wilson 95%"
     )
 
 
@@ -45,8 +49,9 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + table(decision_table(rows, rule))
         + "<h3>Every cell</h3><p class='note'>Per method and budget: accuracy with its Wilson 95% interval over the "
         "answers, the drop vs the full cache in points with its one-sided 95% bounds (the betting confidence "
-        "sequence over samples), or the mean per-sample KL with its betting bounds (kl_high blank: a sample above the "
-        "cap); n_to_decide: samples in all "
+        "sequence over samples), or the mean per-sample KL with the betting bounds of its capped mean (kl_low, "
+        "kl_high), its samples above the cap and the upper bound of their share (kl_tail_high); decision: the cell's "
+        "own, table_decision: the one e-BH keeps across the table; jobs: each job cell's own decision; n_to_decide: samples in all "
         "that would decide an inconclusive cell if its samples went on alike (at the best constant stake: a low "
         "estimate); decided_at: the sample at which its bound decided it (the next section shows where the answers "
         "went).</p>"

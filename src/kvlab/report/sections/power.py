@@ -6,7 +6,7 @@ import pandas as pd
 from kvlab.report.claims import BY_NUMBER
 from kvlab.report.decision import NO_REFERENCE, Rule, cells
 from kvlab.report.html import esc, table
-from kvlab.report.stats import LEVEL, Z, detectable, drop_bounds, per_sample
+from kvlab.report.stats import LEVEL, Z, detectable, drop_bounds, lossless_samples, per_sample
 
 TITLE = "Power: what each cell can detect"
 QUERIES = ("answers",)
@@ -58,7 +58,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     need = need[need < float("inf")]
     needed = (f"If their samples went on alike, the cells would need {need.min():,.0f} to {need.max():,.0f} samples "
               f"(median {need.median():,.0f}) for the decision's bound to settle the article's {POINTS:g}-point "
-              f"statement (claim C5, INT4 within {POINTS:g} point) either way (a cell that loses no answer: 315); this "
+              f"statement (claim C5, INT4 within {POINTS:g} point) either way (a cell that loses no answer: {lossless_samples(POINTS):,}); this "
               f"run has {t.loc[need.index, 'samples'].min():,} to "
               f"{t.loc[need.index, 'samples'].max():,} per cell (cells the rule judges).") if len(need) else (
         "No cell the rule judges has answers to score.")

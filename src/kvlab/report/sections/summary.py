@@ -11,18 +11,23 @@ QUERIES = ("answers",)
 
 
 def decided(answers: pd.DataFrame, rule: Rule) -> str:
-    """How many of the run's cells (method × budget per shape and question mode) its samples decide."""
+    """How many of the run's cells (method × budget per shape and question mode) its samples decide, cell by cell
+    and across the table (the decisions e-BH keeps), with the guarantee of each."""
     if answers.empty:
         return ""
-    c = cells(answers, rule, by=["model", "shape", "question_mode"])["decision"].value_counts()
-    n = int(c.sum())
-    parts = ", ".join(f"{int(c.get(d, 0))} {d}" for d in ("safe", "unsafe", "inconclusive"))
-    unjudged = n - int(c.get("safe", 0) + c.get("unsafe", 0) + c.get("inconclusive", 0))
+    c = cells(answers, rule, by=["model", "shape", "question_mode"])
+    own, table = c["decision"].value_counts(), c["table_decision"].value_counts()
+    n = len(c)
+    parts = ", ".join(f"{int(table.get(d, 0))} {d}" for d in ("safe", "unsafe", "inconclusive"))
+    unjudged = n - int(sum(own.get(d, 0) for d in ("safe", "unsafe", "inconclusive")))
     rest = f", {unjudged} not judged (the full cache scores 0%)" if unjudged else ""
-    return (f"<p><b>How sure:</b> of {n} cells (a method at a budget, per task shape and question mode), this run's "
-            f"samples decide {int(c.get('safe', 0) + c.get('unsafe', 0))}: {parts}{rest}. Each decision holds its own "
-            f"5% error level, however early its job stopped; 'Where the answers went' gives the false-decision rate "
-            f"across the table (e-BH).</p>")
+    per_cell = int(own.get("safe", 0) + own.get("unsafe", 0))
+    return (f"<p><b>How sure:</b> of {n} cells (a method at a budget, per task shape and question mode), the table "
+            f"decides {int(table.get('safe', 0) + table.get('unsafe', 0))}: {parts}{rest}. Across the table, the "
+            f"expected share of wrong decisions among these is at most 5% (e-BH over every cell's e-values). Cell by "
+            f"cell, {per_cell} are decided ({int(own.get('safe', 0))} safe, {int(own.get('unsafe', 0))} unsafe), each "
+            f"wrong with chance at most 5% however early its job stopped; 'Where the answers went' lists which e-BH "
+            f"keeps.</p>")
 
 
 def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
@@ -30,7 +35,7 @@ def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
     if answers.empty:
         return ""
     c = cells(answers, rule, by=["model", "shape", "question_mode"])
-    safe = c[c["decision"] == "safe"].sort_values(["shape", "question_mode", "kv_fraction_bf16", "method"])
+    safe = c[c["table_decision"] == "safe"].sort_values(["shape", "question_mode", "kv_fraction_bf16", "method"])
     if safe.empty:
         return "<p><b>Decided safe:</b> no method on any cell of this run.</p>"
     items = "".join(f"<li>{esc(r['shape'])} ({esc(r['question_mode'])}): <b>{esc(r['method'])}"

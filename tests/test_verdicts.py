@@ -1,0 +1,248 @@
+"""Verdicts that keep their promise (issue 52), simulated with the project's own functions and its round schedule:
+the printed cell is the tested cell, KL verdicts about a bounded quantity hold under heavy tails, the table's
+decisions keep their false-decision rate, a cell with one early loss is decided near the exact binomial's n, and no
+n overflows. Vectorised over cells (kvlab.anytime.wealth_at): seconds."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from scipy import optimize, stats
+
+from kvlab.anytime import ALPHA, ebh, sequence, wealth_at
+from kvlab.report.decision import Rule, cells, decision_table
+from kvlab.report.stats import drop_bounds, kl_bounds, lossless_samples, quiet_kl_samples
+
+LEVEL = math.log(1 / ALPHA)
+THETA = 0.05  # 5 points
+
+
+def round_ends(first: int, step: int, most: int) -> np.ndarray:
+    """The sample counts at which a job reads its cells: its first samples, then every `step`, up to `most`."""
+    return np.unique(np.r_[np.arange(first, most, step), most])
+
+
+def first_true(crossed: np.ndarray) -> np.ndarray:
+    """Per row, the first column index (1-based) where `crossed` holds; 0 where it never does."""
+    return np.where(crossed.any(axis=1), crossed.argmax(axis=1) + 1, 0)
+
+
+def run_table(drops: np.ndarray, ends: np.ndarray, stop_e: float) -> dict[str, np.ndarray]:
+    """Each row of `drops` (cells × max samples) as a job would run it: read at `ends`, its own decision the first
+    crossing of 1/α by either bet (sticky), stopped at the first read where it is decided and the e-value of its
+    decision reaches `stop_e` (else at the last end). Returns the decisions (+1 safe, −1 unsafe, 0 open), the log
+    e-values of both tests at the stop and the samples used."""
+    up, down = wealth_at(drops, -1.0, 1.0, THETA)
+    safe_at, unsafe_at = first_true(down >= LEVEL), first_true(up >= LEVEL)
+    stop = np.full(len(drops), ends[-1])
+    for n in ends[::-1]:
+        safe = (safe_at > 0) & (safe_at <= n) & ((unsafe_at == 0) | (safe_at <= unsafe_at))
+        unsafe = (unsafe_at > 0) & (unsafe_at <= n) & ~safe
+        log_e = np.where(safe, down[:, n - 1], np.where(unsafe, up[:, n - 1], -np.inf))
+        stop = np.where(log_e >= math.log(stop_e), n, stop)
+    rows = np.arange(len(drops))
+    decided_safe = (safe_at > 0) & (safe_at <= stop) & ((unsafe_at == 0) | (safe_at <= unsafe_at))
+    decided_unsafe = (unsafe_at > 0) & (unsafe_at <= stop) & ~decided_safe
+    return {"decision": np.where(decided_safe, 1, np.where(decided_unsafe, -1, 0)), "n": stop,
+            "log_e_safe": down[rows, stop - 1], "log_e_unsafe": up[rows, stop - 1]}
+
+
+def table_kept(out: dict[str, np.ndarray], alpha_scale: float) -> np.ndarray:
+    """The decisions e-BH keeps over the table's 2C tests at alpha_scale × α (kvlab.report.decision.kept uses 2)."""
+    both = ebh(np.r_[out["log_e_safe"], out["log_e_unsafe"]], alpha_scale * ALPHA, log=True)
+    c = len(out["decision"])
+    return np.where(out["decision"] == 1, both[:c], np.where(out["decision"] == -1, both[c:], False))
+
+
+def simulated_table(rng, most: int) -> tuple[np.ndarray, np.ndarray]:
+    """The audit's table: 100 cells losing exactly the tolerance, 15 lossless, 15 losing half their answers; with
+    each cell's true verdict (0: none is right, +1 safe, −1 unsafe)."""
+    drops = np.r_[(rng.random((100, most)) < THETA), np.zeros((15, most)), rng.random((15, most)) < 0.5].astype(float)
+    return drops, np.r_[np.zeros(100), np.ones(15), -np.ones(15)]
+
+
+def test_the_table_keeps_its_false_decision_rate_and_its_true_decisions():
+    """130 cells (100 at the tolerance, 15 lossless, 15 losing 50 points), rounds of 6 after 6, planned share 0.2
+    (30 of 130 cells can be decided rightly): stopping at 1/(α·0.2) = 100 and e-BH over the 2C tests at 2α keep
+    ≥ 90% of the true decisions, with false ones (any decision on a cell at the tolerance counts as false) at most 5%
+    of the printed ones on average over 40 tables. The rule it replaces (stop at 1/α, e-BH at α) keeps almost none,
+    and the unadjusted per-cell decisions it printed are wrong far more often than 5%. A lossless cell needs 102
+    samples under it (the max here is 120; the default's 96 could not reach 100)."""
+    rng = np.random.default_rng(52)
+    ends, stop_e = round_ends(6, 6, 120), Rule(planned_share=0.2).stop_e
+    false_share, kept_true, old_kept, own_false = [], [], [], []
+    for _ in range(40):
+        drops, truth = simulated_table(rng, 120)
+        out = run_table(drops, ends, stop_e)
+        kept = table_kept(out, 2)
+        printed = out["decision"][kept]
+        false_share.append(np.mean(printed != truth[kept]) if len(printed) else 0.0)
+        kept_true.append(np.sum(kept & (out["decision"] == truth) & (truth != 0)) / np.sum(truth != 0))
+        old = run_table(drops, ends, 1 / ALPHA)
+        old_kept.append(table_kept(old, 1).sum() / np.sum(truth != 0))
+        decided = old["decision"] != 0
+        own_false.append(np.mean(old["decision"][decided] != truth[decided]))
+    assert np.mean(false_share) <= ALPHA
+    assert np.mean(kept_true) >= 0.9
+    assert np.mean(old_kept) < 0.5 and np.mean(own_false) > ALPHA
+    assert lossless_samples(5, stop_e) == 101  # read at 102 in rounds of 6
+
+
+def test_the_default_stopping_level_costs_a_lossless_cell_a_round():
+    """planned_share 0.8: a decided cell is fed until its e-value reaches 25; a lossless cell needs 70 samples
+    instead of 66 (72 in rounds of 6)."""
+    rule = Rule()
+    assert rule.stop_e == pytest.approx(25)
+    assert lossless_samples(rule.tolerance_points) == 66 and lossless_samples(rule.tolerance_points, rule.stop_e) == 70
+
+
+def test_one_early_loss_is_decided_near_the_exact_binomial():
+    """A lossless cell is decided safe at 66 samples, one with a single loss anywhere among its first 60 by 116
+    (the exact binomial test at a fixed n needs 93; the stakes of the previous rule needed 181), one that loses
+    every answer unsafe at 6."""
+    assert sequence(np.zeros(100), -1.0, 1.0, THETA).down_at == 66
+    one_loss = np.zeros((60, 200))
+    one_loss[np.arange(60), np.arange(60)] = 1.0
+    _, down = wealth_at(one_loss, -1.0, 1.0, THETA)
+    assert first_true(down >= LEVEL).max() <= 116 and first_true(down >= LEVEL).min() > 66
+    assert sequence(np.ones(30), -1.0, 1.0, THETA).up_at == 6
+
+
+@pytest.mark.parametrize("loss", [THETA, 0.06])
+def test_the_level_under_the_round_schedule(loss):
+    """2,000 cells losing 5% (or 6%) of their answers, run as a default job (6, then rounds of 6, up to 96, stopped
+    at the table's level): called safe in at most 5% of cells."""
+    rng = np.random.default_rng(int(loss * 100))
+    out = run_table((rng.random((2000, 96)) < loss).astype(float), round_ends(6, 6, 96), Rule().stop_e)
+    assert np.mean(out["decision"] == 1) <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
+
+
+def test_no_overflow_at_any_n():
+    """5,000 samples that all lose, or all keep, and 5,000 KL samples above the cap: bounds, decisions and e-values
+    (inf past the largest float, logs finite), no OverflowError."""
+    lost, kept = drop_bounds(np.ones(5000), np.zeros(5000), 5), drop_bounds(np.ones(5000), np.ones(5000), 5)
+    assert lost.decide(5) == "unsafe" and lost.e_unsafe == math.inf and math.isfinite(lost.log_e_unsafe)
+    assert kept.decide(5) == "safe" and kept.log_e_safe > math.log(1e100) and math.isfinite(kept.e_safe)
+    spiky = kl_bounds(np.full(5000, 1.0), 0.01)
+    assert spiky.decide(0.01) == "unsafe" and spiky.over_cap == 5000 and math.isfinite(spiky.log_e_unsafe)
+    assert ebh([spiky.log_e_unsafe, 0.0], log=True).tolist() == [True, False]
+
+
+KL = 0.01  # nats: Rule.kl_safe
+CAP = 5 * KL  # Rule.kl_cap_ratio × KL
+
+
+def capped_lognormal(mean: float, sigma: float) -> float:
+    """E[min(X, CAP)] for a lognormal X of mean `mean` and log-sd `sigma`."""
+    mu = math.log(mean) - sigma**2 / 2
+    z = (math.log(CAP) - mu) / sigma
+    return mean * stats.norm.cdf(z - sigma) + CAP * stats.norm.sf(z)
+
+
+def heavy(rng, cells: int, n: int, family: str) -> np.ndarray:
+    """Heavy-tailed per-sample KL at the edge of what 'safe' claims: 'lognormal-S' (log-sd S, scaled so that its
+    capped mean is exactly 0.01 nat), 'spike-V-P' (a share P of samples at V nat, the rest level so that the capped
+    mean is exactly 0.01), 'tail' (10% of samples at 0.2 nat, the rest 0: a capped mean of 0.005, but a share above
+    the cap exactly at its limit), 'mean-S' (lognormal whose plain mean is 0.01: below the edge, for power)."""
+    if family.startswith(("lognormal", "mean")):
+        kind, sigma = family.split("-")
+        sigma = float(sigma)
+        mean = KL if kind == "mean" else optimize.brentq(lambda m: capped_lognormal(m, sigma) - KL, KL, 100 * KL)
+        return mean * np.exp(rng.normal(-sigma**2 / 2, sigma, (cells, n)))
+    if family == "tail":
+        return np.where(rng.random((cells, n)) < 0.1, 0.2, 0.0)
+    _, value, share = family.split("-")
+    share = float(share)
+    return np.where(rng.random((cells, n)) < share, float(value), (KL - share * CAP) / (1 - share))
+
+
+def prose_decisions(x: np.ndarray, rule: Rule, ends: np.ndarray) -> np.ndarray:
+    """Each row of per-sample KL run as a prose job: read at `ends`, stopped at the first read where it is decided
+    and its decision's e-value reaches rule.stop_e; +1 safe (the capped mean's and the tail share's upper bounds
+    both under their limits: both downward bets crossed), −1 unsafe, 0 open, as kl_bounds decides."""
+    up, down = wealth_at(np.minimum(x, CAP), 0.0, CAP, KL)
+    _, tail = wealth_at((x > CAP).astype(float), 0.0, 1.0, rule.kl_tail_share)
+    safe_at = np.maximum(first_true(down >= LEVEL), first_true(tail >= LEVEL))
+    safe_at = np.where((first_true(down >= LEVEL) > 0) & (first_true(tail >= LEVEL) > 0), safe_at, 0)
+    unsafe_at = first_true(up >= LEVEL)
+    decision = np.zeros(len(x), int)
+    done = np.zeros(len(x), bool)
+    for n in ends:
+        safe = (safe_at > 0) & (safe_at <= n)
+        unsafe = (unsafe_at > 0) & (unsafe_at <= n) & ~safe
+        decision = np.where(done, decision, np.where(safe, 1, np.where(unsafe, -1, 0)))
+        log_e = np.where(safe, np.minimum(down[:, n - 1], tail[:, n - 1]), np.where(unsafe, up[:, n - 1], -np.inf))
+        done |= log_e >= math.log(rule.stop_e)
+    return decision
+
+
+PROSE = round_ends(10, 6, 96)  # prose_kl: 10 samples, then rounds of 6, up to 96
+
+
+@pytest.mark.parametrize("family", ["lognormal-1.5", "lognormal-2", "spike-0.1-0.08", "spike-0.8-0.01",
+                                    "spike-1.0-0.01", "spike-0.5-0.04", "tail"])
+def test_heavy_tailed_kl_at_the_edge_is_rarely_safe_under_prose_rounds(family):
+    """The audit's heavy tails (lognormal σ 1.5 and 2, spikes of 0.1–1.0 nat in 1–8% of samples) with the capped
+    mean exactly at the threshold, and a tail share exactly at its limit, run as prose_kl's job: called safe in at
+    most 5% of 2,000 cells, within simulation error. The plain mean of such KL can lie far above the capped one:
+    the report's words say which it bounds (kvlab.report.stats.kl_bounds)."""
+    rng = np.random.default_rng(sum(map(ord, family)))
+    safe = np.mean(prose_decisions(heavy(rng, 2000, 96, family), Rule(), PROSE) == 1)
+    assert safe <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
+
+
+def test_prose_decisions_match_kl_bounds():
+    """The vectorised prose job above reads the same decisions as kl_bounds at the same n."""
+    rng = np.random.default_rng(3)
+    x = heavy(rng, 30, 60, "mean-1.0") * rng.choice([0.3, 1.0, 3.0], size=(30, 1))
+    fast = prose_decisions(x, Rule(planned_share=1.0), np.array([60]))
+    slow = [{"safe": 1, "unsafe": -1, "inconclusive": 0}[kl_bounds(row, KL).decide(KL)] for row in x]
+    assert fast.tolist() == slow and set(slow) == {-1, 0, 1}
+
+
+def answers_of(task: str, context: int, n: int, lost: bool, start: int = 0) -> list[dict]:
+    """n samples of one job cell (kivi4 at one length of the single-needle shape), each answer lost or kept."""
+    return [{"model": "m", "shape": "single needle", "task": task, "context_tokens": context, "question_mode": "aware",
+             "method": "kivi4", "method_kind": "quant", "press": None, "wrapper": None, "scheme": "kivi", "bits": 4,
+             "key_axis": "channel", "value_axis": "token", "policy": "kivi", "budget": 1.0, "turn": 1,
+             "kv_fraction_bf16": 0.25, "sample_id": f"{task}@{context}-{i}", "draw": i, "round": 1 + i // 6,
+             "max_samples": 96, "kl_vs_full": None, "full_score": 1.0, "score": 0.0 if lost else 1.0}
+            for i in range(start, start + n)]
+
+
+def test_a_pooled_cell_is_decided_on_its_jobs_not_printed_safe():
+    """The audit's example: 66 lossless prompts at 8K, then 96 that all lose at 32K, one shape. Pooled in draw order
+    the first job alone crossed 'safe' and the bound keeps it; judged per job cell and combined, the row is unsafe,
+    and the length curve's cells keep each length's own decision."""
+    rows = pd.DataFrame(answers_of("niah_single", 8192, 66, False) + answers_of("niah_single", 32000, 96, True))
+    c = cells(rows, Rule(), by=["model", "shape", "question_mode"]).iloc[0]
+    assert c["decision"] == "unsafe" and c["table_decision"] == "unsafe" and c["samples"] == 162
+    assert "niah_single @ 8,192: safe; niah_single @ 32,000: unsafe" in c["jobs"]
+    pooled = drop_bounds(np.ones(162), np.r_[np.ones(66), np.zeros(96)], 5)
+    assert pooled.decide(5) == "safe"  # what pooling printed
+    row = decision_table(rows).iloc[0]
+    assert row["safe (most compression first)"] == "none" and row["unsafe at every budget"] == "kivi4"
+    by_length = cells(rows, Rule(), by=["model", "shape", "question_mode", "context_tokens"]).set_index("context_tokens")
+    assert by_length.loc[8192, "decision"] == "safe" and by_length.loc[32000, "decision"] == "unsafe"
+
+
+def test_the_counts_quoted_in_the_readme_and_config_are_computed():
+    """The sample counts the README and config.yaml quote come from the functions that decide."""
+    root = Path(__file__).resolve().parents[1]
+    readme, config = (root / "README.md").read_text(), (root / "config.yaml").read_text()
+    rule = Rule()
+    lossless, stop = lossless_samples(rule.tolerance_points), lossless_samples(rule.tolerance_points, rule.stop_e)
+    one_loss = np.zeros((60, 200))
+    one_loss[np.arange(60), np.arange(60)] = 1.0
+    worst = int(first_true(wealth_at(one_loss, -1.0, 1.0, THETA)[1] >= LEVEL).max())
+    assert f"A cell that loses no answer needs {lossless} samples" in readme and f"at most {worst} (an exact" in readme
+    assert f"A lossless cell then runs to {stop} samples" in readme
+    assert f"a KL near 0 is decided safe after {quiet_kl_samples(rule.kl_safe)} samples" in readme
+    one_point = lossless_samples(1)
+    assert f"since a cell that loses no answer needs {one_point}" in readme and f"at n = {one_point}" in config
+    full = yaml.safe_load(config)["presets"]["full"]["tasks"]["niah_single"]["max_samples"]
+    assert full >= one_point
+    assert f"decided safe at 5 points after {lossless} prompts" in config
