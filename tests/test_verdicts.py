@@ -246,3 +246,5 @@ def test_the_counts_quoted_in_the_readme_and_config_are_computed():
     full = yaml.safe_load(config)["presets"]["full"]["tasks"]["niah_single"]["max_samples"]
     assert full >= one_point
     assert f"decided safe at 5 points after {lossless} prompts" in config
+    schema = (root / "workflow" / "config.schema.yaml").read_text()
+    assert f"A lossless cell is decided safe at 5 points after {lossless} ({stop} to reach" in schema
