@@ -234,3 +234,68 @@ def test_cells_judge_each_distinct_cell_once_and_a_changed_row_or_rule_anew():
     assert list(cells(worse, rule, by=[])["decision"]) == ["unsafe", "unsafe"] and len(decision._judged) == 3
     assert list(cells(dec, Rule(tolerance_points=25), by=[])["decision"]) == ["safe", "safe"]
     assert len(decision._judged) == 5
+
+
+def flipped(method, losses, gains, rows=100, right=0.8, ctx=512):
+    """One cell whose full cache answers `right` × rows right; the method loses the first `losses` of those and gains
+    the first `gains` of the full cache's wrong ones (exact counts, in the row() helper's seeded order)."""
+    out = row(method, "single needle", "aware", 0.5, right, full=right, press="SnapKVPress", rows=rows)
+    hits = [r for r in out if r["full_score"] == 1.0][:losses]
+    misses = [r for r in out if r["full_score"] == 0.0][:gains]
+    for r in hits:
+        r["score"] = 0.0
+    for r in misses:
+        r["score"] = 1.0
+    return [{**r, "context_tokens": ctx} for r in out]
+
+
+def test_flips_count_losses_and_gains_separately_with_their_samples():
+    """Accuracy moves by losses − gains only: 3 lost and 2 gained read a drop of 1 point, yet 5 answers changed."""
+    from kvlab.report.decision import cells, evidence, judge
+
+    one = judge(pd.DataFrame(flipped("snapkv", 3, 2)), Rule())
+    assert (one["losses"], one["gains"], one["samples"]) == (3, 2, 100)
+    assert one["drop_points"] == pytest.approx(1.0)
+    c = cells(answers(flipped("snapkv", 3, 2), flipped("snapkv", 4, 0, rows=50, ctx=1024),
+                      row("kivi4", "single needle", "aware", 1.0, 0.9, scheme="kivi", bits=4, kind="quant", rows=100)),
+              Rule(), by=["model", "shape", "question_mode"]).set_index("method")
+    # a printed cell over two jobs (two context lengths) counts the flips of both
+    assert (c.loc["snapkv", "losses"], c.loc["snapkv", "gains"], c.loc["snapkv", "samples"]) == (7, 2, 150)
+    assert (c.loc["kivi4", "losses"], c.loc["kivi4", "gains"], c.loc["kivi4", "samples"]) == (10, 0, 100)
+    assert "drop +10.0 pts" in evidence(c.loc["kivi4"].to_dict())
+    assert "; flips: 10 of 100 samples lost, 0 gained" in evidence(c.loc["kivi4"].to_dict())
+    assert "; flips: 7 of 150 samples lost, 2 gained" in evidence(c.loc["snapkv"].to_dict())
+    prose = judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=40)), Rule())
+    assert "losses" not in prose and ", n=40" in evidence(prose)
+
+
+def test_flips_with_partial_scores_and_turns():
+    """A partial score (token F1) below the full cache's is a loss and above it a gain, however small; a sample's
+    turns are averaged first (as its bounds read them), so one turn lost and one gained is no flip."""
+    from kvlab.report.decision import judge
+
+    scores = [(0.5, 1.0), (0.25, 0.2), (0.6, 0.6), (0.0, 0.1), (1.0, 1.0)]  # (method, full): loss, gain, same, loss, same
+    base = row("f1", "workload", "aware", 0.5, 1.0, rows=1)[0]
+    rows = [{**base, "sample_id": f"s{i}", "score": m, "full_score": f} for i, (m, f) in enumerate(scores)]
+    rows += [{**base, "sample_id": "turns", "turn": t, "score": m, "full_score": f} for t, m, f in ((1, 1.0, 0.0), (2, 0.0, 1.0))]
+    out = judge(pd.DataFrame(rows), Rule())
+    assert (out["losses"], out["gains"], out["samples"]) == (2, 1, 6)
+
+
+def test_the_database_keeps_flips_as_a_view():
+    """collect.add_views: `flips` in results/kvlab.duckdb, per (model, task, context, question mode, method, budget),
+    the same counts as the decision table's, from the eval rows (the full cache's rows beside each method's)."""
+    import duckdb
+
+    from kvlab.collect import add_views
+
+    cell = pd.DataFrame(flipped("snapkv", 3, 2) + flipped("snapkv", 4, 0, rows=50, ctx=1024))
+    full = cell.assign(method="full", method_kind="full", budget=1.0, score=cell["full_score"])
+    ev = pd.concat([cell, full]).drop(columns=["full_score"]).assign(metric="string_match")
+    con = duckdb.connect()
+    con.register("frame", ev)
+    con.execute("CREATE TABLE eval AS SELECT * FROM frame")
+    add_views(con)
+    got = con.execute("SELECT * FROM flips").df()
+    assert got[["context_tokens", "method", "losses", "gains", "samples"]].values.tolist() == [
+        [512, "snapkv", 3, 2, 100], [1024, "snapkv", 4, 0, 50]]

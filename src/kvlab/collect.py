@@ -15,6 +15,7 @@ from kvlab.columns import DECODE_KERNEL_COLUMNS, ENGINE_VS_PIPELINE_COLUMNS, EVA
 from kvlab.config import CALIBRATION_TABLES
 from kvlab.io import atomic_path, read_parquet
 from kvlab.models.card import read_card
+from kvlab.report.build import load_queries
 
 NESTED_CARD_KEYS = ("layer_types", "rope", "source", "weights")  # card values stored as JSON text in `models`
 PACKAGES = ("torch", "transformers", "kvpress", "snakemake", "duckdb", "altair", "triton", "kvlab")
@@ -70,7 +71,8 @@ def build(
 ) -> None:
     """Write every table the report reads: eval, throughput, engine_vs_pipeline, decode_kernels, calib_* (one per
     calibration table, all models), models, the cost_table rule's tables (`cost_files`: costs, reads, crossover →
-    its Parquet file), benchmarks, provenance."""
+    its Parquet file), benchmarks, provenance; and the view `flips` (queries.sql's query of that name: per cell of
+    scored answers, the samples lost and gained against the full cache)."""
     cards = [read_card(d) for d in model_dirs]
     models = pd.DataFrame(
         [{**{k: v for k, v in c.items() if k not in NESTED_CARD_KEYS}, **{k: json.dumps(c[k]) for k in NESTED_CARD_KEYS if k in c}}
@@ -98,8 +100,19 @@ def build(
                 con.register("frame", frame)
                 con.execute(f"CREATE TABLE {name} AS SELECT * FROM frame")
                 con.unregister("frame")
+            add_views(con)
         finally:
             con.close()
+
+
+VIEWS = ("flips",)  # queries of queries.sql the database also keeps as views, for a user's own SQL
+
+
+def add_views(con: duckdb.DuckDBPyConnection) -> None:
+    """Each of VIEWS as a view over the tables of `con` (its SQL is the report's, kvlab.report.build.load_queries)."""
+    queries = load_queries()
+    for name in VIEWS:
+        con.execute(f"CREATE VIEW {name} AS {queries[name].rstrip(';')}")
 
 
 def _with_columns(frame: pd.DataFrame, columns: dict[str, str]) -> pd.DataFrame:

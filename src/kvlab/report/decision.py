@@ -49,6 +49,7 @@ class Rule:
 
 
 NO_REFERENCE = "not judged (the full cache scores 0%)"
+FLIP_EPS = 1e-9  # a score this close to the full cache's is the same score (means of turns differ in the last bits)
 DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "value_axis", "policy"]
 
 
@@ -60,7 +61,12 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     their share); `sample_sd`, the
     per-sample spread; the sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation
     round, the e-values of its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide`
-    for an inconclusive cell (kvlab.report.stats)."""
+    for an inconclusive cell (kvlab.report.stats).
+
+    Flips (scored answers only): `losses`, the samples on which the method scores below the full cache (right →
+    wrong), and `gains`, those on which it scores above it (wrong → right), each out of `samples` (a sample's turns
+    averaged first, as the bounds read them). With partial scores (token F1) any lower score is a loss and any
+    higher one a gain, however small; a drop near 0 can hide many of both (Dutta et al. 2024)."""
     out = {c: rows[c].iloc[0] for c in DESCRIBE if c in rows}
     if "kv_fraction_bf16" in rows:
         out["kv_fraction_bf16"] = rows["kv_fraction_bf16"].mean()
@@ -78,6 +84,8 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
         acc_low, acc_high = wilson(rows["score"].sum(), len(rows))
         full_low, full_high = wilson(rows["full_score"].sum(), len(rows))
         full = rows["full_score"].mean()
+        change = (s["score"] - s["full_score"]).to_numpy()  # a sample's turns averaged: float noise is no flip
+        out.update(losses=int((change < -FLIP_EPS).sum()), gains=int((change > FLIP_EPS).sum()))
         out.update(accuracy=rows["score"].mean(), accuracy_low=acc_low, accuracy_high=acc_high, full_accuracy=full,
                    full_low=full_low, full_high=full_high, drop_points=b.mean, drop_low=b.low, drop_high=b.high,
                    decision=b.decide(threshold) if full > 0 else NO_REFERENCE)
@@ -199,6 +207,7 @@ def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
             r = _binding(g, decision).to_dict()
             r.update(decision=decision, table_decision=combine(list(g["table_decision"])),
                      answers=int(g["answers"].sum()), samples=int(g["samples"].sum()), cap=g["cap"].sum(min_count=len(g)),
+                     **{k: g[k].sum(min_count=1) for k in ("losses", "gains") if k in g},  # flips of all its job cells
                      n_to_decide=math.nan if decision != "inconclusive" else r["n_to_decide"])
         r["jobs"] = "; ".join(f"{j['task']} @ {j['context_tokens']:,}: {j['decision']}" for _, j in g.iterrows())
         r.update(dict(zip(keys, key)))
@@ -207,7 +216,8 @@ def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
 
 
 def evidence(r) -> str:
-    """A cell's numbers in one phrase: n, the interval, and for an inconclusive cell the n that would decide it."""
+    """A cell's numbers in one phrase: n, the interval, its flips (samples lost and gained against the full cache)
+    and for an inconclusive cell the n that would decide it."""
     if "kl_mean_nats" in r and not pd.isna(r["kl_mean_nats"]):
         text = (f"KL {r['kl_mean_nats']:.3g} nat, capped mean bounds [{r['kl_low']:.3g}, {r['kl_high']:.3g}], "
                 f"{r['kl_over_cap']:.0f} above the cap (share ≤ {r['kl_tail_high']:.0%}), n={r['samples']}")
@@ -219,9 +229,20 @@ def evidence(r) -> str:
         text += "; " + why_open(r)
     elif r.get("table_decision") == "inconclusive":
         text += f"; {r['decision']} for this cell alone, not kept by e-BH across the table"
+    text += flips(r)
     if str(r.get("jobs", "")).count(";"):
         text += f" (job cells: {r['jobs']})"
     return text
+
+
+def flips(r) -> str:
+    """'; flips: 3 of 70 samples lost, 1 gained' (right → wrong, wrong → right against the full cache; with partial
+    scores a lower or higher score), or '' where the cell has no flips (prose, or rows judged before they were
+    counted)."""
+    losses, gains = r.get("losses", math.nan), r.get("gains", math.nan)
+    if pd.isna(losses) or pd.isna(gains):
+        return ""
+    return f"; flips: {losses:.0f} of {r['samples']} samples lost, {gains:.0f} gained"
 
 
 def why_open(r) -> str:

@@ -75,6 +75,30 @@ FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
 ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;
 
+-- name: flips
+-- Per cell of an evaluation job with scored answers: the samples on which the method scored below the full cache
+-- on the same prompt (losses: right → wrong) and above it (gains: wrong → right), out of `samples`; a sample's
+-- turns averaged first, as the decision's bounds read them. With partial scores (token F1) any lower score is a
+-- loss and any higher one a gain. collect.py also stores this query as the view `flips` in results/kvlab.duckdb.
+WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
+reference AS (
+    SELECT model, task, context_tokens, sample_id, question_mode, turn, score AS full_score
+    FROM scored WHERE method_kind = 'full'
+),
+per_sample AS (
+    SELECT model, task, context_tokens, question_mode, method, budget, sample_id,
+           avg(score) - avg(full_score) AS change
+    FROM scored JOIN reference USING (model, task, context_tokens, sample_id, question_mode, turn)
+    WHERE method_kind <> 'full'
+    GROUP BY ALL
+)
+SELECT model, task, context_tokens, question_mode, method, budget,
+       count(*) FILTER (WHERE change < -1e-9) AS losses, count(*) FILTER (WHERE change > 1e-9) AS gains,
+       count(*) AS samples
+FROM per_sample
+GROUP BY ALL
+ORDER BY model, task, context_tokens, question_mode, method, budget DESC;
+
 -- name: versus_full
 -- Each compressed variant's answers beside the full cache's answer to the same prompt (sample, question mode,
 -- turn), per task (and turn) and context length.

@@ -7,9 +7,9 @@ from kvlab.report.decision import Rule, article_comparison, cells, decision_tabl
 from kvlab.report.html import table
 
 TITLE = "Decision table (article §7.2), regenerated"
-QUERIES = ("answers",)
+QUERIES = ("answers", "flips")
 SHOWN = ["model", "shape", "question_mode", "method", "budget", "kv_fraction_bf16", "samples", "answers", "accuracy",
-         "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
+         "accuracy_low", "accuracy_high", "full_accuracy", "full_low", "full_high", "losses", "gains", "drop_points", "drop_low", "drop_high", "kl_mean_nats",
          "kl_low", "kl_high", "kl_over_cap", "kl_tail_high", "decision", "table_decision", "jobs", "decided_at", "n_to_decide"]
 
 
@@ -48,8 +48,11 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"its bounds and the samples that would decide it at the observed effect.</p>"
         + table(decision_table(rows, rule))
         + "<h3>Every cell</h3><p class='note'>Per method and budget: accuracy with its Wilson 95% interval over the "
-        "answers, the drop vs the full cache in points with its one-sided 95% bounds (the betting confidence "
-        "sequence over samples), or the mean per-sample KL with the betting bounds of its capped mean (kl_low, "
+        "answers; losses and gains: the samples (of its samples) on which the method scored below the full cache "
+        "(right → wrong) and above it (wrong → right), a sample's turns averaged first; with partial scores (token F1) "
+        "any lower score is a loss and any higher one a gain, so a small drop can hide many flips both ways; the drop "
+        "vs the full cache in points with its one-sided 95% bounds (the betting confidence sequence over samples), "
+        "or the mean per-sample KL with the betting bounds of its capped mean (kl_low, "
         "kl_high), its samples above the cap and the upper bound of their share (kl_tail_high); decision: the cell's "
         "own, table_decision: the one e-BH keeps across the table; jobs: each job cell's own decision; n_to_decide: samples in all "
         "that would decide an inconclusive cell if its samples went on alike (at the best constant stake: a low "
