@@ -105,7 +105,8 @@ BAD = [
     ("rows.jsonl", "\n".join(json.dumps({"id": 7, "context": "c", "question": "q", "answers": "a"}) for _ in range(2)),
      "rows.jsonl row 2: id '7' repeats row 1; ids must be unique"),
     ("rows.json", "[1, 2]", "rows.json row 1: not an object"),
-    ("rows.csv", "context,question\nc,q\n", "rows.csv row 1: no column 'answers' (field answers)"),
+    ("rows.csv", "context,answers\nc,a\n", "rows.csv row 1: no column 'question' (field question)"),
+    # (a file without answers is prompts-only, scored by agreement; a reference metric on it: tests/test_traffic.py)
     ("rows.jsonl", json.dumps({"context": "c", "question": "q", "answers": "a", "followups": [{"question": "q2"}]}),
      "rows.jsonl row 1: followups[1] must be an object with question and answers"),
 ]

@@ -17,7 +17,7 @@ from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
-from kvlab.tasks.scoring import score
+from kvlab.tasks.scoring import AGREEMENT, score
 
 
 NOISE_COLUMNS = ("noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s")  # set on measured full rows by `noise_floor`
@@ -274,6 +274,8 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
     else:
         first = [None] * len(variants)
     rows = []
+    if sample.metric in AGREEMENT:  # scored against (and `gold` is) the full cache's answer to this turn: its row scores 1
+        gold = [tokenizer.decode(answers[ref], skip_special_tokens=True)]
     for i, variant in enumerate(variants):
         prediction = tokenizer.decode(answers[i], skip_special_tokens=True)
         row = {

@@ -3,7 +3,25 @@
 A row gives a `context` (the document: always compressed), a `question` (compressed only question-aware), its
 `answers` (one string or a list; the scorer takes the best match), an optional `id` and optional `followups`
 (later questions on the same cache, each {question, answers}, asked as multi_turn asks them). `columns` maps these
-names to the file's own. Files: JSON lines (.jsonl, or .json holding lines or one array), .csv (a list-valued
+names to the file's own.
+
+Prompts only: a row may leave out `answers` (traffic logs rarely have references). Such a task is scored by
+`agreement` (its default metric then): each method's greedy answer against the full cache's answer to the same
+prompt, 1 when they match after SQuAD's normalisation, else 0 (`agreement_f1`: their token F1), so a cell's drop is
+the share of answers the compression changed (kvlab.tasks.scoring; the engine passes the full cache's answer as the
+gold: kvlab.engine.sample). Rows with answers may use it too (`metric: agreement`). Followups need the row's answers
+(the first answer is fed before the next question).
+
+Chat logs: a row may instead give `messages`, a list of {role, content} (system, user, assistant: the chat format
+of transformers' chat templates and of the usual serving APIs), ending on a user turn, and optionally `answers` for
+that last turn. The model's own chat template renders them: the turns before the asked user turn are the context
+(compressed; the chat template's text before the first turn is the uncompressed prefix), that turn's content the
+question, the template's end of turn and assistant header the suffix. `chat_turns: last` (default) asks the last user
+turn; `chat_turns: each` asks every user turn in order on one cache, as followups are: the first user turn on the
+compressed turns before it, each later one after the logged turns between (assistant replies, as recorded). A turn
+with nothing before it to compress (a conversation that opens on the asked user turn) is itself the context, with no
+separate question (compressed alike in both question modes, as a question asked before its document). Chat rows are
+kept whole (`context_tokens: [0]`); the `template` does not apply to them. Files: JSON lines (.jsonl, or .json holding lines or one array), .csv (a list-valued
 cell as a JSON array), .parquet, or a folder written by `datasets`' save_to_disk (read offline).
 
 Prompts: the user turn is `template` with {context} and {question} filled (default: the context, a blank line, the
@@ -16,22 +34,27 @@ tail as LongBench truncates its prompts, but never the question or template (row
 
 Samples: a seeded permutation of the rows (by task name and seed), taken in order, so more samples (the
 evaluation's rounds) only add rows after those drawn. Every row is checked before any is used: a file that does not
-parse, a missing column, an empty context, question or answer, a repeated id each stop with one line naming the
+parse, a missing column, an empty context, question or answer, a repeated id, a bad conversation (no user turn, an
+unknown role, content that is not text, a last turn that is not the user's) each stop with one line naming the
 file, the row (1-based) and the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from kvlab.tasks.base import Prompt, Sample, chat_pieces, chat_prompt, encode
+from kvlab.tasks.base import Prompt, Sample, Turn, chat_pieces, chat_prompt, encode
+from kvlab.tasks.scoring import AGREEMENT
 
-FIELDS = ("context", "question", "answers", "id", "followups")
-REQUIRED = ("context", "question", "answers")
+FIELDS = ("context", "question", "answers", "id", "followups", "messages")
+REQUIRED = ("context", "question")  # of a row without messages
+ROLES = ("system", "user", "assistant")
+PROMPTS_ONLY_RECIPES = {"qa_mix": False, "chat_mix": True}  # whether a recipe's rows leave out answers
 FORMATS = ".jsonl, .json (JSON lines or an array), .csv, .parquet, or a folder written by datasets' save_to_disk"
 DEFAULT_TEMPLATE = "{context}\n\n{question}"
 
@@ -40,10 +63,15 @@ DEFAULT_TEMPLATE = "{context}\n\n{question}"
 class Record:
     row: int  # 1-based, in file order
     id: str
-    context: str
-    question: str
-    answers: tuple[str, ...]
+    context: str  # "" on a chat row
+    question: str  # "" on a chat row
+    answers: tuple[str, ...]  # () when the row has none (prompts only)
     followups: tuple[tuple[str, tuple[str, ...]], ...]  # (question, answers) of each later turn
+    messages: tuple[tuple[str, str], ...] = ()  # a chat row's (role, content) turns, ending on the user's
+
+    def asked(self, each: bool) -> int:
+        """The user turns a chat row asks (`chat_turns: each`: all of them, else the last)."""
+        return sum(role == "user" for role, _ in self.messages) if each else 1
 
 
 class DatasetError(ValueError):
@@ -59,9 +87,20 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
 
 
 def derive(name: str, spec: dict) -> None:
-    """A task whose file a recipe writes reads it where the pipeline writes it (rule workload)."""
+    """A task whose file a recipe writes reads it where the pipeline writes it (rule workload). Its metric, where not
+    given: `agreement` when rows leave out answers (a prompts-only recipe, or a file with a row without answers),
+    else `qa_f1`."""
     if "recipe" in spec:
         spec["path"] = f"results/workloads/{name}.jsonl"
+    if "metric" not in spec:
+        if "recipe" in spec:
+            prompts_only = PROMPTS_ONLY_RECIPES[spec["recipe"]]
+        else:
+            try:
+                prompts_only = any(not r.answers for r in load(spec["path"], spec.get("columns", {})))
+            except DatasetError:  # `problem` says what is wrong with the file
+                prompts_only = False
+        spec["metric"] = "agreement" if prompts_only else "qa_f1"
 
 
 def problem(name: str, spec: dict):
@@ -73,11 +112,37 @@ def problem(name: str, spec: dict):
         rows, source = spec["recipe_rows"], f"recipe_rows {spec['recipe_rows']}"
     else:
         try:
-            rows, source = len(load(spec["path"], spec["columns"])), f"the rows of {spec['path']}"
+            records = load(spec["path"], spec["columns"])
         except DatasetError as error:
             return "path", str(error)
+        rows, source = len(records), f"the rows of {spec['path']}"
+        if why := rows_problem(spec, records):
+            return why
     if spec["samples"] > rows:
         return "samples", f"{spec['samples']} exceeds {source} ({rows}); draw at most {rows}"
+    return None
+
+
+def rows_problem(spec: dict, records) -> tuple[str, str] | None:
+    """What the task's settings cannot do with its rows (key, one line naming file, row and field), or None: a
+    reference metric on a row without answers (or on a chat row that asks several turns), a chat row cut to a length."""
+    path, each = spec["path"], spec.get("chat_turns") == "each"
+    for r in records:
+        roles = [role for role, _ in r.messages if role != "system"]
+        if each and any(a == b == "user" for a, b in zip(roles, roles[1:])):
+            return "chat_turns", (f"{path} row {r.row}: field messages: two user turns with no assistant reply between "
+                                  "them; chat_turns: each feeds the logged reply before the next question (or use "
+                                  "chat_turns: last)")
+        if r.messages and any(spec["context_tokens"]):
+            return "context_tokens", (f"{path} row {r.row}: field messages: a conversation is kept whole, never cut; use "
+                                      "context_tokens: [0]")
+        if spec["metric"] not in AGREEMENT:
+            if not r.answers:
+                return "metric", (f"{path} row {r.row}: no answers (field answers), which metric {spec['metric']} scores "
+                                  "against; add them, or use metric: agreement (the full cache's answer as the reference)")
+            if r.messages and r.asked(each) > 1:
+                return "metric", (f"{path} row {r.row}: field messages: chat_turns: each asks {r.asked(each)} user turns and "
+                                  f"answers hold the last one's only; use metric: agreement, or chat_turns: last")
     return None
 
 
@@ -96,6 +161,12 @@ def check_template(template: str) -> str | None:
 
 
 def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template: str, record: Record) -> Sample:
+    if record.messages:
+        prompt, cut = chat_messages(tokenizer, record, spec.get("chat_turns") == "each", spec["path"]), 0
+        if context_tokens and prompt.tokens > context_tokens:
+            raise DatasetError(f"task '{name}': {spec['path']} row {record.row}: field messages: a conversation is kept "
+                               "whole, never cut; use context_tokens: [0]")
+        return _sample(name, spec, context_tokens, record, prompt, cut)
     head, tail = template.split("{question}")
     before_context, after_context = head.split("{context}")
     turns, previous = [], record.answers
@@ -121,6 +192,10 @@ def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template:
                 break
             keep -= prompt.tokens - context_tokens
         cut = natural - prompt.tokens
+    return _sample(name, spec, context_tokens, record, prompt, cut)
+
+
+def _sample(name: str, spec: dict, context_tokens: int, record: Record, prompt: Prompt, cut: int) -> Sample:
     return Sample(
         task=name,
         kind="dataset",
@@ -133,6 +208,40 @@ def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template:
         metric=spec["metric"],
         meta={"shape": shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut},
     )
+
+
+MARKER = "\x00KVLAB-SPLIT\x00"
+
+
+def chat_messages(tokenizer, record: Record, each: bool, path) -> Prompt:
+    """A chat row's Prompt (see the module's doc): the turns before the asked user turn are the context, its
+    content the question; with `each`, the first user turn is asked and every later one is a followup (the logged
+    turns between it and the one before, then it), with the row's answers on the last. A conversation that opens on
+    the asked turn has it in its context and no question."""
+    turns = [{"role": role, "content": content} for role, content in record.messages]
+    users = [i for i, (role, _) in enumerate(record.messages) if role == "user"]
+    first = users[0] if each else users[-1]
+
+    def render(messages: list[dict]) -> str:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    head, question, suffix = render([*turns[:first], {**turns[first], "content": MARKER + turns[first]["content"] + MARKER}]).split(MARKER)
+    if first == 0:  # nothing before it: the turn is the context, asked before its document (no separate question)
+        head, question = head + question, ""
+    context = encode(tokenizer, head)
+    opening = render([{**turns[0], "content": MARKER + turns[0]["content"]}, *turns[1 : first + 1]]).split(MARKER)[0]
+    ids = encode(tokenizer, opening)  # the chat template's text before the first turn: the uncompressed prefix
+    prefix = next((i for i, (a, b) in enumerate(zip(context, ids)) if a != b), min(len(context), len(ids)))
+    fed, later = head + question + suffix, []
+    asked = users[users.index(first) + 1 :] if each else []
+    for n, u in enumerate(asked, start=1):
+        rendered = render(turns[: u + 1])
+        if not rendered.startswith(fed):
+            raise DatasetError(f"{path} row {record.row}: field messages: the chat template renders earlier turns "
+                               f"differently once user turn {users.index(u) + 1} is added; use chat_turns: last")
+        later.append(Turn(encode(tokenizer, rendered[len(fed) :]), list(record.answers) if n == len(asked) else []))
+        fed = rendered
+    return Prompt(context, encode(tokenizer, question), encode(tokenizer, suffix), tuple(later), head=prefix, prefix=prefix)
 
 
 def kept_prefix(tokenizer, prompt: Prompt, before_context: str, question: str) -> int:
@@ -157,7 +266,7 @@ def _load(path: str, columns: tuple, stamp: int) -> tuple[Record, ...]:
     rows = _read(Path(path))
     if not rows:
         raise DatasetError(f"{path}: no rows")
-    missing = [f for f in REQUIRED if mapping[f] not in rows[0]]
+    missing = [] if mapping["messages"] in rows[0] else [f for f in REQUIRED if mapping[f] not in rows[0]]
     if missing:
         raise DatasetError(f"{path} row 1: no column '{mapping[missing[0]]}' (field {missing[0]}); columns: "
                            f"{', '.join(map(str, rows[0]))}; map it with columns: {{{missing[0]}: <your column>}}")
@@ -235,7 +344,59 @@ def _text(row: dict, column: str, path: str, n: int, field: str) -> str:
     return value
 
 
+def _present(value) -> bool:
+    """Whether a cell holds a value (not missing: None, NaN, an empty string or list)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return False
+    if isinstance(value, str):
+        return bool(value.strip())
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    return not isinstance(value, (list, tuple)) or bool(value)
+
+
+def _messages(value, path: str, n: int) -> tuple[tuple[str, str], ...]:
+    """A chat row's turns, checked: a list of {role, content}, roles system / user / assistant, content text, the
+    last turn the user's."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise DatasetError(f"{path} row {n}: field messages is not a JSON list of {{role, content}}") from None
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise DatasetError(f"{path} row {n}: field messages must be a list of {{role, content}}, got {value!r:.80}")
+    turns = []
+    for i, turn in enumerate(value, start=1):
+        if not isinstance(turn, dict) or "role" not in turn or "content" not in turn:
+            raise DatasetError(f"{path} row {n}: messages[{i}] must be an object with role and content")
+        if turn["role"] not in ROLES:
+            raise DatasetError(f"{path} row {n}: messages[{i}].role {turn['role']!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(turn["content"], str) or not turn["content"].strip():
+            raise DatasetError(f"{path} row {n}: messages[{i}].content must be non-empty text, got {turn['content']!r:.80}")
+        turns.append((turn["role"], turn["content"]))
+    if not any(role == "user" for role, _ in turns):
+        raise DatasetError(f"{path} row {n}: field messages has no user turn; its last user turn is the question")
+    if turns[-1][0] != "user":
+        raise DatasetError(f"{path} row {n}: messages[{len(turns)}] (role {turns[-1][0]}) ends the conversation; the last "
+                           "turn must be the user's question (leave out the logged reply to it)")
+    return tuple(turns)
+
+
 def _record(path: str, n: int, row: dict, mapping: dict) -> Record:
+    raw_id = row.get(mapping["id"])
+    value = row.get(mapping["answers"])  # a row without answers leaves the field out (or null); an empty one is an error
+    answers = () if value is None or (isinstance(value, float) and math.isnan(value)) else _strings(value, path, n, "answers")
+    row_id = str(raw_id) if raw_id not in (None, "") else str(n)
+    if _present(row.get(mapping["messages"])):
+        followups = row.get(mapping["followups"])
+        if any(_present(row.get(mapping[f])) for f in ("context", "question")) or (
+                _present(followups) and not (isinstance(followups, str) and followups.strip() == "[]")):
+            raise DatasetError(f"{path} row {n}: field messages, and context, question or followups too; a row is a "
+                               "conversation or a document and question, not both")
+        return Record(row=n, id=row_id, context="", question="", answers=answers, followups=(),
+                      messages=_messages(row[mapping["messages"]], path, n))
     for field in REQUIRED:
         if mapping[field] not in row:
             raise DatasetError(f"{path} row {n}: no column '{mapping[field]}' (field {field})")
@@ -253,12 +414,14 @@ def _record(path: str, n: int, row: dict, mapping: dict) -> Record:
             raise DatasetError(f"{path} row {n}: followups[{i}] must be an object with question and answers")
         turns.append((_text(turn, "question", path, n, f"followups[{i}].question"),
                       _strings(turn["answers"], path, n, f"followups[{i}].answers")))
-    raw_id = row.get(mapping["id"])
+    if turns and not answers:
+        raise DatasetError(f"{path} row {n}: field followups needs the row's answers (its first answer is fed before the "
+                           "next question); a conversation without references goes in messages")
     return Record(
         row=n,
-        id=str(raw_id) if raw_id not in (None, "") else str(n),
+        id=row_id,
         context=_text(row, mapping["context"], path, n, "context"),
         question=_text(row, mapping["question"], path, n, "question"),
-        answers=_strings(row[mapping["answers"]], path, n, "answers"),
+        answers=answers,
         followups=tuple(turns),
     )

@@ -1,6 +1,7 @@
 """Answer scorers, each (prediction, gold answers) -> a score in [0, 1], applied after RULER's clean-up of a
 prediction (its eval/evaluate.py): RULER's substring matches, the last number (arithmetic), and LongBench's QA and
-summary metrics for a user's own workload (`kind: dataset`): SQuAD's token F1 and exact match, ROUGE-L."""
+summary metrics for a user's own workload (`kind: dataset`): SQuAD's token F1 and exact match, ROUGE-L; and
+agreement with the full cache's own answer (exact, or token F1), which needs no reference."""
 
 from __future__ import annotations
 
@@ -97,8 +98,30 @@ def rouge_l(prediction: str, gold: list[str]) -> float:
     return _best(prediction, gold, "rouge_l", lambda p, g: float(_rouge().score(g, p)["rougeL"].fmeasure))
 
 
+def agreement(prediction: str, full: list[str]) -> float:
+    """1.0 when the answer is the full cache's answer to the same prompt (`full`: that one answer) after SQuAD's
+    normalization, else 0.0: 1 − the mean is the share of answers the compression changed. No reference needed;
+    an empty answer agrees with an empty one."""
+    if len(full) != 1:
+        raise ValueError("agreement needs exactly the full cache's answer")
+    return float(normalize(clean(prediction)) == normalize(clean(full[0])))
+
+
+def agreement_f1(prediction: str, full: list[str]) -> float:
+    """Token F1 of the answer against the full cache's answer to the same prompt (a partial agreement): 1.0 when
+    they normalize to the same tokens (two empty answers included), else SQuAD's F1 (0 when they share none)."""
+    if len(full) != 1:
+        raise ValueError("agreement_f1 needs exactly the full cache's answer")
+    pred, ref = clean(prediction), clean(full[0])
+    return 1.0 if normalize(pred) == normalize(ref) else _f1(pred, ref)
+
+
 SCORERS = {"string_match_all": string_match_all, "string_match_part": string_match_part, "last_number": last_number,
-           "qa_f1": qa_f1, "exact_match": exact_match, "rouge_l": rouge_l}
+           "qa_f1": qa_f1, "exact_match": exact_match, "rouge_l": rouge_l, "agreement": agreement,
+           "agreement_f1": agreement_f1}
+# metrics scored against the full cache's own answer to the same prompt, not the sample's references (the engine
+# passes that answer as the gold: kvlab.engine.sample)
+AGREEMENT = ("agreement", "agreement_f1")
 
 
 def score(metric: str, prediction: str, gold: list[str]) -> float:
