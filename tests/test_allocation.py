@@ -4,6 +4,7 @@ that carry the evaluation rounds (draw, round, max_samples)."""
 import math
 
 import pandas as pd
+import pytest
 
 from kvlab.report.decision import Rule, cells, evidence
 from kvlab.report.sections import allocation
@@ -62,3 +63,23 @@ def test_ebh_keeps_strong_decisions_across_a_table():
     rows = pd.DataFrame([r for k in range(20) for r in cell(f"m{k}", 30, lost_every=1)])
     c = allocation.scored_cells(rows, Rule())
     assert (c["decision"] == "unsafe").all() and c["ebh"].all()
+
+
+def test_the_section_names_the_cells_a_time_limit_left_open_and_their_cost():
+    """A job stopped by sequential.stop_after_minutes (rows: stopped_by 'time') after 30 samples, its last round of 6
+    prompts in 12 s (2 s a prompt): its cell losing every tenth answer is listed open with the samples that would
+    decide it and their minutes at that pace; its cell that lost every answer (unsafe after 12) is not listed; a run
+    without a limit adds nothing to the section."""
+    timed = pd.DataFrame(cell("short", 30, lost_every=10) + cell("broken", 12, lost_every=1)).assign(round_s=12.0,
+                                                                                                    stopped_by="time")
+    left = allocation.left_by_time(timed, Rule())
+    assert list(left["method"]) == ["short"] and left.loc[0, "samples"] == 30
+    c = cells(timed, Rule(), by=["model", "shape", "question_mode"]).set_index("method")
+    more = c.loc["short", "n_to_decide"] - 30
+    assert left.loc[0, "more samples"] == more and left.loc[0, "about minutes more"] == pytest.approx(more * 2 / 60)
+    assert left.loc[0, "why open"] == f"needs about {more:,.0f} more samples"
+    html = allocation.body({"answers": timed}, Rule())
+    assert "Left open by the time limit" in html and "1 job(s) stopped adding rounds" in html and "niah @ 1,024" in html
+    assert "1 job cell(s) stayed open" in html and "valid at any stopping time" in html
+    plain = pd.DataFrame(cell("short", 30, lost_every=10)).assign(round_s=12.0, stopped_by="max_samples")
+    assert allocation.left_by_time(plain, Rule()).empty and "time limit" not in allocation.body({"answers": plain}, Rule())

@@ -5,6 +5,7 @@ import re
 import time
 
 import pandas as pd
+import pytest
 from kvlab.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
 from kvlab.report.stats import drop_bounds, per_sample
@@ -170,3 +171,58 @@ def test_a_long_batch_reports_progress_on_a_heartbeat(tmp_path, tiny_dir, monkey
                        r"(~\d+ s left at most|time left known after the first sample)", caplog.text)
     assert beats and beats[0][3] == "time left known after the first sample"
     assert any(left.startswith("~") for *_, left in beats)  # after the first sample: an estimate
+
+
+def test_a_time_limit_stops_a_job_after_its_round_and_rows_say_so(tmp_path, tiny_dir, monkeypatch):
+    """sequential.stop_after_minutes: with a limit already spent when the first round ends (every round's time read
+    as a minute more: `time.perf_counter` patched), the job runs that round whole and no other, with cells still open
+    (a 1-point tolerance decides nothing in 2 prompts), and every row says stopped_by 'time'; without the limit the
+    same job goes on to max_samples and says so; a job whose cells all settle says 'decided'."""
+    from kvlab import evaluate
+    from kvlab.evaluate import time_up
+
+    assert not time_up({}, 1e9) and not time_up({"stop_after_minutes": None}, 1e9) and not time_up({"stop_after_minutes": 0}, 1e9)
+    assert not time_up({"stop_after_minutes": 2}, 119.9) and time_up({"stop_after_minutes": 2}, 120)
+
+    def run(name, limit=None, tolerance=1.0, max_samples=6):
+        seq = {"max_samples": max_samples, "round": 2, "rule": {"tolerance_points": tolerance},
+               **({"stop_after_minutes": limit} if limit is not None else {})}
+        cfg = {"methods": build(METHODS), "budgets": [0.5], "question_modes": ["agnostic", "aware"], "max_new_tokens": 4,
+               "noise_floor_samples": 0, "dtype": "float32", "device": "cpu", "threads": 1, "sequential": seq}
+        return run_job(tiny_dir, "niah_single", NEEDLE, 384, cfg, tmp_path / f"{name}.parquet")
+
+    with monkeypatch.context() as m:
+        calls = iter(range(10**6))
+        m.setattr(evaluate.time, "perf_counter", lambda: 60.0 * next(calls))  # each reading a minute after the last
+        timed = run("timed", limit=1)
+    assert set(timed["round"]) == {1} and timed["draw"].nunique() == 2 and set(timed["stopped_by"]) == {"time"}
+    assert open_cells(timed, Rule(tolerance_points=1.0))  # cells left open: the time ended the job, not its answers
+    untimed = run("untimed")
+    assert untimed["draw"].nunique() == 6 and set(untimed["stopped_by"]) == {"max_samples"}
+    keep = [c for c in timed.columns if not any(t in c for t in TIMING) and c != "stopped_by"]
+    first = untimed[untimed["round"] == 1]
+    pd.testing.assert_frame_equal(timed[keep].reset_index(drop=True), first[keep].reset_index(drop=True))
+    settled = run("settled", tolerance=99.0, max_samples=96)  # every cell settles at 99 points: the job ends decided
+    assert set(settled["stopped_by"]) == {"decided"} and settled["draw"].nunique() < 96
+
+
+def test_the_time_limit_is_opt_in_and_leaves_a_run_without_it_unchanged():
+    """sequential.stop_after_minutes is absent by default: the jobs' params (Snakemake reruns a job whose params
+    change; kvlab.resume keys checkpoints on them) are those of a run before it existed; set, it reaches each job."""
+    from pathlib import Path
+
+    import yaml
+
+    from kvlab.config import ConfigError, resolve
+    from kvlab.jobs import run_params
+
+    root = Path(__file__).resolve().parents[1]
+    base = yaml.safe_load((root / "config.yaml").read_text())
+    schema = root / "workflow" / "config.schema.yaml"
+    plain = resolve(base, schema)
+    assert "stop_after_minutes" not in plain["sequential"]
+    assert "stop_after_minutes" not in run_params(plain, {}, "niah_single")["sequential"]
+    timed = resolve({**base, "sequential": {**base["sequential"], "stop_after_minutes": 2.5}}, schema)
+    assert run_params(timed, {}, "niah_single")["sequential"]["stop_after_minutes"] == 2.5
+    with pytest.raises(ConfigError, match="stop_after_minutes"):
+        resolve({**base, "sequential": {**base["sequential"], "stop_after_minutes": -1}}, schema)

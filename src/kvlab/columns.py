@@ -24,6 +24,6 @@ ENGINE_VS_PIPELINE_COLUMNS = {
 # Eval columns later kvlab versions added, typed so the report's queries run on rows written before them.
 EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl": "float64", "dtype_noise_kl_max": "float64",
                 "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64",
-                "draw": "Int64", "round": "Int64", "round_s": "float64", "max_samples": "Int64",
+                "draw": "Int64", "round": "Int64", "round_s": "float64", "max_samples": "Int64", "stopped_by": "string",
                 "kv_saturated_keys": "float64", "kv_saturated_values": "float64", "cut_tokens": "Int64",
                 "prefix_tokens": "Int64"}

@@ -148,6 +148,15 @@ def working(first: int, last: int, total: int, done: int, rows: int, elapsed: fl
             f"{elapsed:.0f} s elapsed, {left}")
 
 
+def time_up(plan: dict, elapsed: float) -> bool:
+    """Whether a job stops adding rounds: sequential.stop_after_minutes (opt-in; absent, null or 0: no limit) is each
+    job's own share, N minutes of its evaluation (the model's loading aside; a resumed job counts the time before
+    its interruption), checked when a round ends, so the first round always runs whole. Its bounds stay valid
+    (kvlab.anytime: they hold at any stopping time), but where it stops depends on the machine's speed."""
+    limit = plan.get("stop_after_minutes")
+    return bool(limit) and elapsed >= 60 * limit
+
+
 def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
     """The job's prompts in draw order, as many as it may reach (kvlab.sequential.planned), and how many the first
     round takes (the task's `samples` per grid point)."""
@@ -176,8 +185,10 @@ def run_job(
     (the first samples whose full rows the model in the other compute dtype reads again; default: none), and
     sequential ({max_samples, round, rule: the Rule fields it stops on}; default: the task's samples only). The job runs in rounds
     (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
-    and the variants with a cell still open, until none is or max_samples prompts ran. Rows record the sample's
-    `draw` (its index in draw order), its `round`, that round's wall seconds `round_s` and the job's `max_samples`.
+    and the variants with a cell still open, until none is or max_samples prompts ran, or, with
+    sequential.stop_after_minutes N, until a round ends after N minutes of the job's evaluation (`time_up`). Rows
+    record the sample's `draw` (its index in draw order), its `round`, that round's wall seconds `round_s`, the job's
+    `max_samples` and why it stopped (`stopped_by`: "decided", "max_samples" or "time").
     Progress goes to the log after each batch of samples and, from a heartbeat thread, at least every HEARTBEAT_S
     seconds within one (rows so far, rows per second, time left).
     After each chunk of samples the job saves a checkpoint beside `out_path` (kvlab.resume); a rerun of the same job
@@ -208,6 +219,7 @@ def run_job(
         log.info("resumed from %s: %d samples done, in round %d", resume.path_for(out_path), done, round_)
     active = grid if still is None else [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
     t0 = time.perf_counter() - state["elapsed"]
+    stopped_by = "max_samples"  # unless no cell is left open ("decided") or the time limit ends it ("time")
     at_once = samples_at_once(context_tokens or max(s.prompt.tokens for s in samples))  # 0: natural lengths
     with tqdm(total=len(samples), initial=done, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample",
               mininterval=0) as bar:
@@ -267,10 +279,17 @@ def run_job(
                 log.info("round %d done (%d samples): %d of %d variants have an open cell (%d cells open)", round_, done,
                          len(active) - 1, len(grid) - 1, sum(map(len, still.values())))
                 if len(active) == 1:
+                    stopped_by = "decided"
+                    break
+                if time_up(plan, time.perf_counter() - t0):
+                    stopped_by = "time"
+                    log.info("stopped after round %d: the job's %g minutes (sequential.stop_after_minutes) are spent; "
+                             "%d cells stay open", round_, plan["stop_after_minutes"], sum(map(len, still.values())))
                     break
                 checkpoint(before=len(rows), round_s=0.0)
     frame = pd.DataFrame(rows)
     frame["max_samples"] = len(samples)  # the most prompts this job could reach
+    frame["stopped_by"] = stopped_by
     frame.insert(0, "model", card["name"])
     frame["dtype"] = run["dtype"]
     frame["max_new_tokens"] = cap  # the decoding cap the answers ran under

@@ -34,6 +34,8 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
             "rule": {k: decision[k] for k in ("tolerance_points", "kl_safe", "kl_cap_ratio", "kl_tail_share",
                                               "planned_share")},
         }
+        if seq.get("stop_after_minutes"):  # only when set: a run without it keeps its jobs' params (and checkpoints)
+            run["sequential"]["stop_after_minutes"] = seq["stop_after_minutes"]
     return {"methods": for_task(methods, task), **run}
 
 

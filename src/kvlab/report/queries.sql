@@ -56,21 +56,23 @@ ORDER BY model, method, budget DESC, context_tokens;
 -- answer to the same prompt; on prose (no answers to score) each sample's per-token KL to the full cache (the
 -- mean over its teacher-forced tokens); and the bytes stored as a fraction of the full cache in bf16.
 -- prompt_sha1 names the prompt (every token id it feeds), so a repeated prompt shows; draw, round and
--- max_samples say when the evaluation job drew the sample (kvlab.sequential). The decision table and the
--- statistical claims bound these rows by sample, in draw order.
+-- max_samples say when the evaluation job drew the sample (kvlab.sequential), round_s its round's seconds and
+-- stopped_by why its job stopped (decided, max_samples, or time: sequential.stop_after_minutes). The decision
+-- table and the statistical claims bound these rows by sample, in draw order.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
 reference AS (
     SELECT model, sample_id, question_mode, turn, score AS full_score FROM scored WHERE method_kind = 'full'
 )
 SELECT model, shape, task, task_kind, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
        key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn, score, full_score,
-       1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full, draw, round, max_samples
+       1 / compression_vs_bf16 AS kv_fraction_bf16, NULL::DOUBLE AS kl_vs_full, draw, round, max_samples, round_s,
+       stopped_by
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 WHERE method_kind <> 'full'
 UNION ALL BY NAME
 SELECT model, shape, task, task_kind, context_tokens, question_mode, method, method_kind, press, wrapper, scheme, bits,
        key_axis, value_axis, policy, press_kwargs, budget, depth, sample_id, prompt_sha1, turn,
-       1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full, draw, round, max_samples
+       1 / compression_vs_bf16 AS kv_fraction_bf16, kl_vs_full, draw, round, max_samples, round_s, stopped_by
 FROM eval
 WHERE metric = 'none' AND method_kind <> 'full' AND question_mode = 'agnostic'
 ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;

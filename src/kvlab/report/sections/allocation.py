@@ -2,10 +2,11 @@
 across the table (e-BH over the job cells' e-values, kvlab.report.decision.annotate)."""
 
 import altair as alt
+import numpy as np
 import pandas as pd
 
 from kvlab.anytime import ALPHA
-from kvlab.report.decision import Rule, cells, why_open
+from kvlab.report.decision import JOB, Rule, cells, job_cells, why_open
 from kvlab.report.stats import lossless_samples, quiet_kl_samples
 from kvlab.report.html import svg, table
 
@@ -54,6 +55,56 @@ def per_cell(c: pd.DataFrame) -> pd.DataFrame:
                                "ebh": f"kept by e-BH at {ALPHA:.0%}"})
 
 
+def pace(rows: pd.DataFrame) -> float:
+    """A job's seconds per prompt in its last round (that round's wall seconds over its prompts), NaN unknown."""
+    if "round_s" not in rows or rows["round_s"].isna().all():
+        return float("nan")
+    last = rows[rows["round"] == rows["round"].max()]
+    return float(last["round_s"].max()) / last["sample_id"].nunique()
+
+
+def left_by_time(rows: pd.DataFrame, rule: Rule) -> pd.DataFrame:
+    """The job cells still open in jobs that sequential.stop_after_minutes stopped (rows' `stopped_by` 'time'): their
+    n and bounds, why they are open, about how many more samples would decide them (n_to_decide, a low estimate) and
+    what those would cost at their job's last round's pace (seconds per prompt, with every open variant of the job:
+    an upper estimate for one cell)."""
+    if "stopped_by" not in rows or not (rows["stopped_by"] == "time").any():
+        return pd.DataFrame()
+    timed = rows[rows["stopped_by"] == "time"]
+    jc = job_cells(timed, rule, by=["model", "shape", "question_mode"])
+    jc = jc[jc["decision"] == "inconclusive"].reset_index(drop=True)
+    if jc.empty:
+        return jc
+    paces = {key: pace(g) for key, g in timed.groupby(["model", *JOB])}
+    finite = np.isfinite(jc["n_to_decide"].astype(float))  # inf: no n decides it; nan: one sample is too few to say
+    more = (jc["n_to_decide"] - jc["samples"]).clip(lower=1).where(finite)
+    seconds = more * [paces[(m, t, c)] for m, t, c in jc[["model", *JOB]].itertuples(index=False)]
+    out = jc[[*KEYS[:3], *JOB, *KEYS[3:], "samples",
+              *[k for k in ("drop_points", "drop_low", "drop_high", "kl_mean_nats", "kl_low", "kl_high") if k in jc]]].copy()
+    out["why open"] = [why_open(r) for _, r in jc.iterrows()]
+    out["more samples"], out["about minutes more"] = more, seconds / 60
+    return out
+
+
+def time_note(rows: pd.DataFrame, rule: Rule) -> str:
+    """What sequential.stop_after_minutes left open, or '' when no job stopped by time."""
+    if "stopped_by" not in rows or not (rows["stopped_by"] == "time").any():
+        return ""
+    left = left_by_time(rows, rule)
+    jobs = rows[rows["stopped_by"] == "time"].drop_duplicates(["model", *JOB])
+    names = ", ".join(f"{t} @ {c:,}" for t, c in jobs[JOB].itertuples(index=False))
+    head = (f"<h3>Left open by the time limit</h3><p>{len(jobs)} job(s) stopped adding rounds when their share of "
+            f"<code>sequential.stop_after_minutes</code> was spent ({names}). Their decided cells stand: the bounds "
+            f"are valid at any stopping time, by time or otherwise (kvlab.anytime). ")
+    if left.empty:
+        return head + "No cell of theirs was left open.</p>"
+    return (head + f"{len(left)} job cell(s) stayed open; 'more samples' is about how many more samples like their "
+            "own would decide each (a low estimate), 'about minutes more' what those would take at the job's last "
+            "round's pace (with all its open variants: an upper estimate for one cell). A longer limit, or none, "
+            "continues them. Where a job stops by time depends on the machine's speed, so such runs can differ "
+            "between machines; runs without a limit stay identical.</p>" + table(left))
+
+
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     c = scored_cells(q["answers"], rule)
     if c.empty:
@@ -90,4 +141,5 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"sample (a cell's own decision needed {1 / ALPHA:g} at some sample); why open: it reached max_samples, or about how many more "
         "samples like its own would decide it.</p>"
         + table(per_cell(c))
+        + time_note(q["answers"], rule)
     )
