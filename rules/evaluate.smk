@@ -6,6 +6,7 @@ rule workload:
         rows="results/workloads/{task}.jsonl",
     params:
         recipe=lambda w: {"rows": config["tasks"][w.task]["recipe_rows"], "seed": config["tasks"][w.task]["seed"]},
+        recipe_name=lambda w: config["tasks"][w.task]["recipe"],
     log:
         "logs/workload/{task}.log",
     wildcard_constraints:

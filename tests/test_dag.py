@@ -177,6 +177,15 @@ def test_workload_preset_plans_only_its_own_jobs(tmp_path):
     assert set(counts) == WORKLOAD_ONLY and counts["evaluate"] == 1, counts
 
 
+def test_traffic_preset_plans_only_its_own_jobs(tmp_path):
+    """The shipped prompts-only example (issue 54): its recipe writes chat rows (rule workload), one evaluate job."""
+    work = workflow_copy(tmp_path / "w")
+    proc = snakemake(work, "results/report.html", "-n", "--quiet", "rules", "--config", "preset=traffic")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    counts = job_counts(proc.stdout + proc.stderr)
+    assert set(counts) == WORKLOAD_ONLY and counts["evaluate"] == 1 and counts["workload"] == 1, counts
+
+
 def test_a_preset_of_only_a_dataset_task_plans_no_speed_jobs(tmp_path):
     """A user's preset whose only task is their file (no niah task for benchmark.task), extending the workload preset
     (`speed_benchmarks: []`), is accepted and plans acquire, calibrate and that task's evaluate job (tests/test_config.py:

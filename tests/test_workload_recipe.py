@@ -8,8 +8,8 @@ from importlib import resources
 
 import pytest
 
-from kvlab.tasks import dataset
-from kvlab.workload_recipe import qa_mix
+from kvlab.tasks import dataset, generate
+from kvlab.workload_recipe import INSTRUCTION, RECIPES, chat_mix, qa_mix
 
 ROWS, SEED, WORDS = 12, 3, (700, 1400)
 
@@ -91,3 +91,67 @@ def test_bad_arguments_get_one_line(tmp_path, kwargs, message):
         qa_mix(tmp_path / "x.jsonl", **kwargs)
     assert str(info.value) == f"qa_mix: {message}" and "\n" not in str(info.value)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat") / "chat.jsonl"
+    assert chat_mix(path, rows=ROWS, seed=SEED, words=WORDS) == ROWS
+    return path, [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_chat_mix_writes_prompts_only_conversations_kind_dataset_reads(chats, tmp_path):
+    """chat_mix (issue 54): deterministic chat rows without answers; SQuAD rows ask two questions of one paragraph
+    (the first one's SQuAD answer as the logged reply), HotpotQA rows one user turn; all valid for kind dataset."""
+    path, data = chats
+    chat_mix(tmp_path / "again.jsonl", rows=ROWS, seed=SEED, words=WORDS)
+    assert (tmp_path / "again.jsonl").read_bytes() == path.read_bytes()
+    records = dataset.load(path)
+    assert len(records) == ROWS and all(r.messages and r.answers == () for r in records)
+    assert all(set(r) == {"id", "messages", "source"} for r in data) and [r["source"] for r in data] == ["squad", "hotpotqa"] * (ROWS // 2)
+    gold = {}
+    for article in _raw("squad.json")["data"]:
+        for p in article["paragraphs"]:
+            for qa in p["qas"]:
+                gold.setdefault(qa["question"].strip(), {}).setdefault(p["context"], {a["text"].strip() for a in qa["answers"]})
+    asked = []
+    for r in data:
+        roles = [m["role"] for m in r["messages"]]
+        questions = [m["content"].rsplit("Question: ", 1)[1].removesuffix("\n" + INSTRUCTION) for m in r["messages"] if m["role"] == "user"]
+        asked += questions
+        assert all(m["content"].endswith(INSTRUCTION) for m in r["messages"] if m["role"] == "user")
+        assert WORDS[0] <= len(r["messages"][0]["content"].split("\n\nQuestion: ")[0].split()) <= WORDS[1]
+        if r["source"] == "hotpotqa":
+            assert roles == ["user"]
+            continue
+        assert roles == ["user", "assistant", "user"]
+        documents = _documents(r["messages"][0]["content"].split("\n\nQuestion: ")[0])
+        shared = set(gold[questions[0]]) & set(gold[questions[1]]) & set(documents)  # one paragraph asked twice
+        assert shared and r["messages"][1]["content"] in set().union(*(gold[questions[0]][p] for p in shared))
+    assert len(asked) == len(set(asked)) == ROWS + ROWS // 2
+
+
+def test_chat_mix_rows_render_and_default_to_agreement(chats, tiny):
+    path, data = chats
+    spec = {"kind": "dataset", "recipe": "chat_mix", "recipe_rows": ROWS, "columns": {}, "template": dataset.DEFAULT_TEMPLATE,
+            "context_tokens": [0], "samples": 2, "seed": 0, "chat_turns": "last"}
+    dataset.derive("chats", spec)
+    assert spec["metric"] == "agreement"
+    spec["path"] = str(path)
+    for s in generate("chats", spec, tiny[1], 0):
+        row = data[s.meta["row"] - 1]
+        p = s.prompt
+        assert tiny[1].decode(p.context + p.question + p.suffix) == tiny[1].apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=False)
+        assert bool(p.question) == (len(row["messages"]) > 1)  # a one-turn request is compressed whole
+
+
+def test_every_recipe_is_in_the_schema_and_runnable():
+    import yaml
+
+    from conftest import ROOT
+
+    schema = yaml.safe_load((ROOT / "workflow" / "config.schema.yaml").read_text())
+    dataset_spec = next(b["then"] for b in schema["$defs"]["task"]["allOf"] if b["if"]["properties"]["kind"].get("const") == "dataset")
+    assert set(dataset_spec["properties"]["recipe"]["enum"]) == set(RECIPES) == set(dataset.PROMPTS_ONLY_RECIPES)
+    with pytest.raises(ValueError, match=r"^chat_mix: rows must be an integer"):
+        chat_mix("unused.jsonl", rows=0)

@@ -1,9 +1,9 @@
-"""Rule workload: a dataset task's recipe (qa_mix) → results/workloads/{task}.jsonl."""
+"""Rule workload: a dataset task's recipe (qa_mix, chat_mix) → results/workloads/{task}.jsonl."""
 
 from kvlab.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 
-from kvlab.workload_recipe import qa_mix  # noqa: E402
+from kvlab.workload_recipe import RECIPES  # noqa: E402
 
-qa_mix(snakemake.output.rows, **snakemake.params.recipe)  # noqa: F821
+RECIPES[snakemake.params.recipe_name](snakemake.output.rows, **snakemake.params.recipe)  # noqa: F821

@@ -13,6 +13,14 @@ them out. Distractors are added until the next would pass the upper bound of `wo
 `words[0]`..`words[1]` whitespace words: at ~1.3 tokens per word, about 1–2K tokens of a Qwen-style tokenizer.
 Rows alternate SQuAD and HotpotQA, so any prefix of the file mixes both; questions (answerable ones only, distinct)
 are drawn by a seeded permutation, so a seed gives the same file bytes every time.
+
+`chat_mix` (`recipe: chat_mix`) writes the same documents as prompts-only traffic: chat rows (`messages`, the
+transformers chat format) with no `answers`, scored by agreement with the full cache (kvlab.tasks.dataset). A SQuAD
+row is a two-question conversation on one context: the documents and a first question in the opening user turn,
+that question's SQuAD answer as the logged assistant reply, then a second question SQuAD asks of the same
+paragraph; a HotpotQA row is one user turn, the documents and the question together, as a log holds a single request
+(no document/question split: it is compressed whole). Each question ends with the instruction to answer alone, in
+the user's turn, as a serving log would hold it.
 """
 
 from __future__ import annotations
@@ -114,15 +122,15 @@ def _row(source: str, number: int, q: dict, docs: _Docs, rng: random.Random, wor
     return {"id": f"{source}-{number}", "context": context, "question": q["question"], "answers": q["answers"], "source": source}
 
 
-def _check(rows, words) -> tuple[int, int]:
+def _check(rows, words, recipe: str = "qa_mix") -> tuple[int, int]:
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"qa_mix: rows must be an integer of at least 1, got {rows!r}")
+        raise ValueError(f"{recipe}: rows must be an integer of at least 1, got {rows!r}")
     try:
         low, high = words
     except (TypeError, ValueError):
-        raise ValueError(f"qa_mix: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {words!r}") from None
+        raise ValueError(f"{recipe}: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {words!r}") from None
     if any(isinstance(w, bool) or not isinstance(w, int) for w in (low, high)) or not 0 < low < high:
-        raise ValueError(f"qa_mix: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {tuple(words)!r}")
+        raise ValueError(f"{recipe}: words must be a pair (low, high) of whole numbers with 0 < low < high, e.g. (700, 1400), got {tuple(words)!r}")
     return low, high
 
 
@@ -156,3 +164,78 @@ def qa_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[in
     with atomic_path(out_path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
     return len(out)
+
+
+INSTRUCTION = "Answer with the answer alone, in as few words as possible."
+
+
+def _ask(question: str) -> str:
+    return f"Question: {question}\n{INSTRUCTION}"
+
+
+@cache
+def _same_paragraph() -> dict[int, list[int]]:
+    """SQuAD's questions by their paragraph (document index)."""
+    by_doc: dict[int, list[int]] = {}
+    for number, q in enumerate(_squad()[0]):
+        by_doc.setdefault(q["gold"][0], []).append(number)
+    return by_doc
+
+
+def _conversation(source: str, number: int, q: dict, docs: _Docs, seen: set, seed: int,
+                  words: tuple[int, int]) -> tuple[dict, list[str]] | None:
+    """One chat row (id, messages, source) for question `number` of `source` and the questions it asks, or None (no
+    second question on its paragraph, or documents that cannot meet `words`)."""
+    rng = random.Random(f"chat_mix:{seed}:{source}:{number}")
+    second = None
+    if source == "squad":
+        questions = _squad()[0]
+        others = [m for m in _same_paragraph()[q["gold"][0]]
+                  if m != number and questions[m]["question"] not in seen and questions[m]["question"] != q["question"]]
+        if not others:
+            return None
+        second = questions[rng.choice(others)]
+    row = _row(source, number, q, docs, rng, words)
+    if row is None:
+        return None
+    messages = [{"role": "user", "content": f"{row['context']}\n\n{_ask(q['question'])}"}]
+    if second is None:
+        return {"id": row["id"], "messages": messages, "source": source}, [q["question"]]
+    messages += [{"role": "assistant", "content": q["answers"][0]}, {"role": "user", "content": _ask(second["question"])}]
+    return {"id": row["id"], "messages": messages, "source": source}, [q["question"], second["question"]]
+
+
+def chat_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[int, int] = (700, 1400)) -> int:
+    """Write `rows` prompts-only chat rows (JSON lines: id, messages, source; no answers) to `out_path` atomically;
+    return the number written. Rows alternate squad (a two-question conversation on one paragraph's documents) and
+    hotpotqa (one user turn); every question in the file is distinct; a question that cannot make a row is skipped for
+    the next of its dataset's seeded permutation."""
+    words = _check(rows, words, "chat_mix")
+    order = {}
+    for source, read in SOURCES.items():
+        numbers = list(range(len(read()[0])))
+        random.Random(f"chat_mix:{seed}:{source}").shuffle(numbers)
+        order[source] = iter(numbers)
+    out, seen = [], set()
+    while len(out) < rows:
+        source = "squad" if len(out) % 2 == 0 else "hotpotqa"
+        questions, docs = SOURCES[source]()
+        for number in order[source]:
+            q = questions[number]
+            if q["question"] in seen:
+                continue
+            made = _conversation(source, number, q, docs, seen, seed, words)
+            if made is not None:
+                seen.update(made[1])
+                out.append(made[0])
+                break
+        else:  # this dataset's permutation is spent
+            raise ValueError(
+                f"chat_mix: {source} has too few distinct questions whose documents fit {words} words for {rows} rows; ask fewer rows or wider words"
+            )
+    with atomic_path(out_path) as tmp:
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
+    return len(out)
+
+
+RECIPES = {"qa_mix": qa_mix, "chat_mix": chat_mix}  # `recipe:` of a dataset task -> its writer (rule workload)
