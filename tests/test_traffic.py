@@ -172,3 +172,46 @@ def test_bad_chat_rows_get_one_line_naming_file_row_and_field(tmp_path, row, mes
     with pytest.raises(dataset.DatasetError) as info:
         dataset.load(path)
     assert str(info.value).startswith(f"{path} {message}") and "\n" not in str(info.value)
+
+
+def agreement_tables(changed: dict, noise_changed: int, n: int = 80, noise_n: int = 80) -> dict:
+    """The report's queries for one agreement task: per method, `changed[method]` of `n` prompts changed (score 0)
+    and the rest kept (score 1; the full cache scores 1 on each), and `noise_changed` of the full cache's `noise_n`
+    answers changed by batch noise."""
+    import pandas as pd
+
+    base = {"model": "m", "shape": "workload traffic", "task": "traffic", "task_kind": "dataset", "context_tokens": 0,
+            "question_mode": "agnostic", "method_kind": "kvpress", "press": "SnapKVPress", "wrapper": None, "scheme": None,
+            "budget": 0.5, "turn": 1, "full_score": 1.0, "kl_vs_full": None, "kv_fraction_bf16": 0.5, "max_samples": n}
+    answers = pd.DataFrame([{**base, "method": method, "sample_id": f"s{i}", "draw": i + 1, "round": 0, "score": float(i >= k)}
+                            for method, k in changed.items() for i in range(n)])
+    agreement_rows = answers.assign(metric="agreement", kl_vs_full=[0.01 * (1 - s) for s in answers["score"]])
+    noise = pd.DataFrame({"model": "m", "dtype": "float32", "change": "one-token steps in another batch", "task": "traffic",
+                          "sample_id": [f"s{i}" for i in range(noise_n)], "turn": 1, "scored": True,
+                          "changed": [i < noise_changed for i in range(noise_n)]})
+    return {"answers": answers, "agreement": agreement_rows[list(agreement_rows.columns.drop(["full_score"]))], "noise_floor": noise}
+
+
+def test_the_report_decides_agreement_cells_and_shows_the_noise_floor_beside_them():
+    """A method that never changes an answer is decided safe within the prompts a lossless accuracy cell needs (66 at
+    5 points); one that changes half is unsafe; beside each, the full cache's own change rate under batch noise and the
+    KL along its answer. A noise floor above the tolerance is called out: that tolerance cannot be met."""
+    from kvlab.report.decision import Rule
+    from kvlab.report.sections import SECTIONS, agreement as section
+
+    assert section in SECTIONS and "agreement" in section.QUERIES
+    q = agreement_tables({"never": 0, "half": 40}, noise_changed=1)
+    c = section.agreement_cells(q, Rule()).set_index("method")
+    assert c.loc["never", "decision"] == "safe" and c.loc["never", "changed_points"] == 0 and c.loc["never", "kl_mean_nats"] == 0
+    assert c.loc["half", "decision"] == "unsafe" and c.loc["half", "changed_low"] > 5
+    assert (c["noise_changed"] == "1/80").all() and (c["noise_high_points"] < 10).all()
+    text = section.body(q, Rule())
+    assert "<td>1/80</td>" in text and "cannot be met" in text and "more often than the tolerance" not in text
+    safe_at = section.agreement_cells(agreement_tables({"never": 0}, noise_changed=0, n=66), Rule())
+    assert safe_at["decision"].tolist() == ["safe"]
+    noisy = section.body(agreement_tables({"never": 0}, noise_changed=20), Rule())
+    assert "the full cache's own answers change under batch noise more often than the tolerance (5 points)" in noisy
+    import pandas as pd
+
+    empty = {"agreement": pd.DataFrame(columns=["model", "task"]), "answers": pd.DataFrame(), "noise_floor": pd.DataFrame()}
+    assert "No task of this run was scored by agreement" in section.body(empty, Rule())

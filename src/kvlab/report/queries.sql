@@ -402,3 +402,12 @@ SELECT model, ruler_task, task, context_tokens, question_mode, method, method_ki
        1 / compression_vs_bf16 AS kv_fraction_bf16, sample_id, score, full_score
 FROM scored JOIN reference USING (model, sample_id, question_mode, turn)
 ORDER BY model, context_tokens, question_mode, ruler_task, method, budget DESC, sample_id;
+
+-- name: agreement
+-- Tasks scored by agreement with the full cache (metric agreement or agreement_f1: a workload without references):
+-- a compressed answer scores 1 when it is the full cache's answer to the same prompt after normalisation
+-- (agreement_f1: its token F1 against that answer), so 1 − score is the share of answers the compression changed;
+-- kl_vs_full is the per-token KL along the full cache's answer.
+SELECT model, shape, task, metric, context_tokens, question_mode, method, budget, sample_id, turn, score, kl_vs_full
+FROM eval WHERE metric IN ('agreement', 'agreement_f1') AND method_kind <> 'full'
+ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;

@@ -5,8 +5,8 @@ Adding a section: a module here and one line in SECTIONS.
 """
 
 from kvlab.report.sections import (
-    accuracy, allocation, bytes_measured, calibration, claims, composition, context_length, cost_article, cost_models, cost_reads, decision, divergence, engine,
-    eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, summary, tasks, throughput,
+    accuracy, agreement, allocation, bytes_measured, calibration, claims, composition, context_length, cost_article, cost_models, cost_reads, decision,
+    divergence, engine, eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, summary, tasks, throughput,
     verdict_grid,
 )
 
@@ -15,6 +15,7 @@ SECTIONS = [
     summary,
     claims,
     decision,
+    agreement,
     allocation,
     power,
     accuracy,
