@@ -129,8 +129,12 @@ def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:
     leaving out of all-empty columns when it types a join: a FutureWarning in every collect)."""
     if not files and empty is not None:
         return pd.DataFrame({c: pd.Series(dtype=d) for c, d in empty.items()})
-    frames = [read_parquet(f) for f in files]
+    return joined([read_parquet(f) for f in files])
+
+
+def joined(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """The frames' rows in one table, as `_concat` joins files (kvlab.progress joins running jobs' rows alike)."""
     valued = {c for f in frames for c in f.columns if f[c].notna().any()}
-    joined = pd.concat([f.drop(columns=[c for c in f.columns if c in valued and f[c].isna().all()]) for f in frames],
+    out = pd.concat([f.drop(columns=[c for c in f.columns if c in valued and f[c].isna().all()]) for f in frames],
                        ignore_index=True)
-    return joined[list(dict.fromkeys(c for f in frames for c in f.columns))]  # the files' own column order
+    return out[list(dict.fromkeys(c for f in frames for c in f.columns))]  # the files' own column order
