@@ -215,3 +215,19 @@ def test_the_report_decides_agreement_cells_and_shows_the_noise_floor_beside_the
 
     empty = {"agreement": pd.DataFrame(columns=["model", "task"]), "answers": pd.DataFrame(), "noise_floor": pd.DataFrame()}
     assert "No task of this run was scored by agreement" in section.body(empty, Rule())
+
+
+def test_the_chat_recipe_s_settings_are_checked_before_any_job():
+    recipe = {**SPEC, "recipe": "chat_mix", "recipe_rows": 4, "samples": 2}
+    assert dataset.problem("t", spec_for("unused", **recipe)) is None
+    assert dataset.problem("t", spec_for("unused", **recipe, metric="qa_f1"))[0] == "metric"
+    assert dataset.problem("t", spec_for("unused", **{**recipe, "context_tokens": [512]}))[0] == "context_tokens"
+
+
+def test_a_conversation_beyond_the_model_s_context_names_its_field(tmp_path, tiny):
+    from kvlab.evaluate import check_lengths
+
+    s = generate("mine", spec_for(jsonl(tmp_path / "chat.jsonl", CHAT), samples=1), tiny[1], 0)[0]
+    with pytest.raises(ValueError, match=r"row \d, field messages\) has \d+ prompt tokens .*; a conversation is kept whole: "
+                                         "shorten it or leave the row out$"):
+        check_lengths("mine", [s], 4, s.prompt.tokens)

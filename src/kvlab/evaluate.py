@@ -86,10 +86,12 @@ def check_lengths(task: str, samples: list, cap: int, limit: int) -> None:
     natural length can exceed it)."""
     for s in samples:
         if s.prompt.tokens + cap > limit:
-            where = f" ({s.meta['path']} row {s.meta['row']}, field context)" if "row" in s.meta else ""
+            field = s.meta.get("field", "context")  # a chat row's: messages (kept whole, never cut)
+            where = f" ({s.meta['path']} row {s.meta['row']}, field {field})" if "row" in s.meta else ""
+            fix = (f"set context_tokens (at most {limit - cap}) to cut long prompts in the middle, or leave the row out"
+                   if field == "context" else "a conversation is kept whole: shorten it or leave the row out")
             raise ValueError(f"task '{task}': sample {s.sample_id}{where} has {s.prompt.tokens} prompt tokens + {cap} to "
-                             f"generate, beyond the model's context of {limit}; set context_tokens (at most {limit - cap}) "
-                             "to cut long prompts in the middle, or leave the row out")
+                             f"generate, beyond the model's context of {limit}; {fix}")
 
 
 def progress(done: int, total: int, rows: int, elapsed: float) -> str:

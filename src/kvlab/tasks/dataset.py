@@ -110,6 +110,11 @@ def problem(name: str, spec: dict):
         return "template", why
     if "recipe" in spec:
         rows, source = spec["recipe_rows"], f"recipe_rows {spec['recipe_rows']}"
+        if PROMPTS_ONLY_RECIPES[spec["recipe"]] and spec["metric"] not in AGREEMENT:
+            return "metric", (f"recipe {spec['recipe']} writes rows without answers, which metric {spec['metric']} scores "
+                              "against; use metric: agreement or agreement_f1")
+        if spec["recipe"] == "chat_mix" and any(spec["context_tokens"]):
+            return "context_tokens", "recipe chat_mix writes conversations, kept whole, never cut; use context_tokens: [0]"
     else:
         try:
             records = load(spec["path"], spec["columns"])
@@ -206,7 +211,8 @@ def _sample(name: str, spec: dict, context_tokens: int, record: Record, prompt: 
         prompt=prompt,
         gold=list(record.answers),
         metric=spec["metric"],
-        meta={"shape": shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut},
+        meta={"shape": shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut,
+              "field": "messages" if record.messages else "context"},
     )
 
 
