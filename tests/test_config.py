@@ -390,7 +390,7 @@ BAD = [
      "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, evidence, ruler, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, evidence, ruler, full"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 
