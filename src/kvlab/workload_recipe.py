@@ -134,15 +134,15 @@ def _check(rows, words, recipe: str = "qa_mix") -> tuple[int, int]:
     return low, high
 
 
-def qa_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[int, int] = (700, 1400)) -> int:
-    """Write `rows` QA rows (JSON lines: id, context, question, answers, source) to `out_path` atomically; return
-    the number written. Rows alternate squad, hotpotqa; a question whose documents cannot meet `words` is skipped
-    for the next of its dataset's seeded permutation."""
-    words = _check(rows, words)
+def _draw(recipe: str, out_path: str | Path, rows: int, seed: int, words: tuple[int, int], make) -> int:
+    """Write `rows` rows that `make(source, number, question, docs)` builds ((row, the questions it uses) or None)
+    to `out_path` atomically; return the number written. Rows alternate squad, hotpotqa, each dataset's questions in
+    a seeded permutation; every question in the file is distinct, and one that cannot make a row is skipped for the
+    next of its permutation."""
     order = {}
     for source, read in SOURCES.items():
         numbers = list(range(len(read()[0])))
-        random.Random(f"qa_mix:{seed}:{source}").shuffle(numbers)
+        random.Random(f"{recipe}:{seed}:{source}").shuffle(numbers)
         order[source] = iter(numbers)
     out, seen = [], set()
     while len(out) < rows:
@@ -152,18 +152,30 @@ def qa_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[in
             q = questions[number]
             if q["question"] in seen:
                 continue
-            row = _row(source, number, q, docs, random.Random(f"qa_mix:{seed}:{source}:{number}"), words)
-            if row is not None:
-                seen.add(q["question"])
-                out.append(row)
+            made = make(source, number, q, docs, seen)
+            if made is not None:
+                seen.update(made[1])
+                out.append(made[0])
                 break
         else:  # this dataset's permutation is spent
             raise ValueError(
-                f"qa_mix: {source} has too few distinct questions whose documents fit {words} words for {rows} rows; ask fewer rows or wider words"
+                f"{recipe}: {source} has too few distinct questions whose documents fit {words} words for {rows} rows; ask fewer rows or wider words"
             )
     with atomic_path(out_path) as tmp:
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
     return len(out)
+
+
+def qa_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[int, int] = (700, 1400)) -> int:
+    """Write `rows` QA rows (JSON lines: id, context, question, answers, source) to `out_path` atomically; return
+    the number written (`_draw`)."""
+    words = _check(rows, words)
+
+    def make(source, number, q, docs, seen):
+        row = _row(source, number, q, docs, random.Random(f"qa_mix:{seed}:{source}:{number}"), words)
+        return None if row is None else (row, [q["question"]])
+
+    return _draw("qa_mix", out_path, rows, seed, words, make)
 
 
 INSTRUCTION = "Answer with the answer alone, in as few words as possible."
@@ -207,35 +219,14 @@ def _conversation(source: str, number: int, q: dict, docs: _Docs, seen: set, see
 
 def chat_mix(out_path: str | Path, rows: int = 120, seed: int = 0, words: tuple[int, int] = (700, 1400)) -> int:
     """Write `rows` prompts-only chat rows (JSON lines: id, messages, source; no answers) to `out_path` atomically;
-    return the number written. Rows alternate squad (a two-question conversation on one paragraph's documents) and
-    hotpotqa (one user turn); every question in the file is distinct; a question that cannot make a row is skipped for
-    the next of its dataset's seeded permutation."""
+    return the number written (`_draw`): squad rows are two-question conversations on one paragraph's documents,
+    hotpotqa rows one user turn."""
     words = _check(rows, words, "chat_mix")
-    order = {}
-    for source, read in SOURCES.items():
-        numbers = list(range(len(read()[0])))
-        random.Random(f"chat_mix:{seed}:{source}").shuffle(numbers)
-        order[source] = iter(numbers)
-    out, seen = [], set()
-    while len(out) < rows:
-        source = "squad" if len(out) % 2 == 0 else "hotpotqa"
-        questions, docs = SOURCES[source]()
-        for number in order[source]:
-            q = questions[number]
-            if q["question"] in seen:
-                continue
-            made = _conversation(source, number, q, docs, seen, seed, words)
-            if made is not None:
-                seen.update(made[1])
-                out.append(made[0])
-                break
-        else:  # this dataset's permutation is spent
-            raise ValueError(
-                f"chat_mix: {source} has too few distinct questions whose documents fit {words} words for {rows} rows; ask fewer rows or wider words"
-            )
-    with atomic_path(out_path) as tmp:
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
-    return len(out)
+
+    def make(source, number, q, docs, seen):
+        return _conversation(source, number, q, docs, seen, seed, words)
+
+    return _draw("chat_mix", out_path, rows, seed, words, make)
 
 
 RECIPES = {"qa_mix": qa_mix, "chat_mix": chat_mix}  # `recipe:` of a dataset task -> its writer (rule workload)
