@@ -226,3 +226,16 @@ def test_the_time_limit_is_opt_in_and_leaves_a_run_without_it_unchanged():
     assert run_params(timed, {}, "niah_single")["sequential"]["stop_after_minutes"] == 2.5
     with pytest.raises(ConfigError, match="stop_after_minutes"):
         resolve({**base, "sequential": {**base["sequential"], "stop_after_minutes": -1}}, schema)
+
+
+def test_scored_cells_are_settled_on_their_scores_not_the_kl_their_rows_also_carry():
+    """Scored rows carry the per-token KL along the full answer too (the engine measures it on every row). A cell that
+    loses every answer is unsafe on its scores, and the job stops it, even where that KL alone would leave it open
+    (0.01 nat, at the threshold): the report decides scored cells on scores alone."""
+    rows = pd.DataFrame([{"sample_id": f"s{i}", "question_mode": "aware", "turn": 1, "method": m, "method_kind": k,
+                          "budget": 1.0, "score": 1.0 if k == "full" else 0.0, "kl_vs_full": 0.0 if k == "full" else 0.01,
+                          "task": "t", "context_tokens": 1, "draw": i}
+                         for i in range(30) for m, k in (("full", "full"), ("fp8", "quant"))])
+    assert open_cells(rows, Rule()) == {}
+    prose = rows.assign(score=None)
+    assert open_cells(prose, Rule()) == {("fp8", 1.0): {"aware"}}  # unscored rows: decided on KL, at the threshold

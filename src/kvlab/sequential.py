@@ -59,7 +59,11 @@ def open_cells(rows: pd.DataFrame, rule: Rule) -> dict[tuple[str, float], set[st
     scored answers by their paired drop at rule.tolerance_points, prose by its per-sample KL at rule.kl_safe."""
     keys = ["method", "budget", "question_mode"]
     scored = cell_drops(rows[rows["score"].notna()]) if "score" in rows else rows.iloc[:0]
-    prose = rows[(rows["method_kind"] != "full") & rows["kl_vs_full"].notna()] if "kl_vs_full" in rows else rows.iloc[:0]
+    # prose: rows with no score to pair (kind continuation); scored rows carry the KL along the full answer too,
+    # but are decided on their scores alone, as the report's answers query reads them
+    unscored = rows["score"].isna() if "score" in rows else pd.Series(True, index=rows.index)
+    prose = (rows[(rows["method_kind"] != "full") & rows["kl_vs_full"].notna() & unscored] if "kl_vs_full" in rows
+             else rows.iloc[:0])
     out: dict[tuple[str, float], set[str]] = {}
     for (method, budget, mode), g in scored.groupby(keys, sort=False):
         s = per_sample(g, ["full_score", "score"])
