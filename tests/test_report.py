@@ -607,3 +607,20 @@ def test_the_decision_grid_scrolls_inside_the_page(monkeypatch):
     monkeypatch.setattr(verdict_grid, "figure", lambda q, rule: "<svg width='1476'></svg>")
     assert verdict_grid.body({"answers": pd.DataFrame({"method": ["snapkv"]})}, Rule()).startswith("<div class='wide'><svg width='1476'></svg></div>")
     assert ".wide{overflow-x:auto;max-width:100%}" in CSS and "max-width:1150px" in CSS
+
+
+def test_the_kl_figure_of_a_run_without_prose_draws_without_warnings():
+    """A run with no prose task (a workload alone) has no quantized KL rows: the figure written for Snakemake's
+    report still draws, and altair has no column type to guess (it warned on every such build)."""
+    import warnings
+
+    from kvlab.report.html import svg
+    from kvlab.report.sections.quant import kl_bits_chart
+
+    empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in [
+        ("method", str), ("scheme", str), ("key_axis", str), ("value_axis", str), ("policy", str), ("bits", float),
+        ("budget", float), ("context_tokens", int), ("kl_mean_nats", float), ("kl_low", float), ("kl_high", float),
+        ("samples", int), ("delta_ppl", float)]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "<svg" in svg(kl_bits_chart(empty))

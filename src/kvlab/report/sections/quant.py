@@ -38,7 +38,8 @@ def kl_bits_chart(kl: pd.DataFrame) -> alt.TopLevelMixin:
     y = alt.Y("kl:Q", title="mean per-token KL vs full (nats)", scale=alt.Scale(type="log"))
     line = alt.Chart().mark_line(point=True).encode(
         x=x, y=y, color=alt.Color("series:N", title="scheme"),
-        tooltip=["method", "bits", "kl_mean_nats", "kl_low", "kl_high", "samples", "delta_ppl"],
+        tooltip=["method:N", "bits:Q", "kl_mean_nats:Q", "kl_low:Q", "kl_high:Q", "samples:Q", "delta_ppl:Q"],  # typed: an
+        # empty run (no prose task) leaves nothing to infer them from
     )
     bars = alt.Chart().mark_rule(opacity=0.6).encode(x=x, y=alt.Y("low:Q", scale=alt.Scale(type="log")), y2="high:Q",
                                                      color="series:N")
