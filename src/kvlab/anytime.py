@@ -89,26 +89,28 @@ class Sequence:
 
     @property
     def e_up(self) -> float:
-        return _exp(self.log_e_up)
+        return e_value(self.log_e_up)
 
     @property
     def e_down(self) -> float:
-        return _exp(self.log_e_down)
+        return e_value(self.log_e_down)
 
 
-def _exp(log_e: float) -> float:
+def e_value(log_e: float) -> float:
     """e^log_e, inf past the largest float (a wealth of thousands of samples can exceed it)."""
     return math.exp(log_e) if log_e < 709 else math.inf
 
 
 def _plug_in(x: np.ndarray, lo: float, hi: float, alpha: float) -> np.ndarray:
     """The predictable plug-in stakes sqrt(2 log(1/α) / (σ̂² t log(1 + t))), σ̂² from the earlier samples and one
-    pseudo-sample at the middle of the range with variance (range/4)²."""
-    n = len(x)
+    pseudo-sample at the middle of the range with variance (range/4)²; x of shape (..., n), samples on the last axis."""
+    n = x.shape[-1]
     mid, var0 = (lo + hi) / 2, ((hi - lo) / 4) ** 2
     count = np.arange(1, n + 2, dtype=float)
-    mu = np.concatenate([[mid], mid + np.cumsum(x)]) / count  # mu[i]: the mean after i samples
-    var = (np.concatenate([[var0], var0 + np.cumsum((x - mu[1:]) ** 2)]) / count)[:-1]
+    start = np.full(x.shape[:-1] + (1,), mid)
+    mu = np.concatenate([start, mid + np.cumsum(x, axis=-1)], axis=-1) / count  # mu[..., i]: the mean after i samples
+    spread = np.cumsum((x - mu[..., 1:]) ** 2, axis=-1)
+    var = (np.concatenate([np.full(x.shape[:-1] + (1,), var0), var0 + spread], axis=-1) / count)[..., :-1]
     t = np.arange(1, n + 1, dtype=float)
     return np.sqrt(2 * math.log(1 / alpha) / (np.maximum(var, 1e-12) * t * np.log1p(t)))
 
@@ -116,12 +118,42 @@ def _plug_in(x: np.ndarray, lo: float, hi: float, alpha: float) -> np.ndarray:
 def _kelly(x: np.ndarray, threshold: float, cap: float, sign: int, prior: int = 0, neutral: float = 0.0) -> np.ndarray:
     """The predictable empirical Kelly stakes at `threshold` (the paper's GRAPA): stake t is the fraction in [0, cap]
     that would have grown the wealth most over `prior` pseudo-samples at `neutral`, then samples 1..t−1 (0 whenever
-    no stake grows)."""
-    lam = np.linspace(0, cap, STAKES + 1)
-    grown = np.cumsum(np.log1p(sign * lam[:, None] * (x[None, :] - threshold)), axis=1)  # [stake, t]
-    before = np.concatenate([np.zeros((len(lam), 1)), grown[:, :-1]], axis=1)
-    before += prior * np.log1p(sign * lam * (neutral - threshold))[:, None]
-    return lam[np.argmax(before, axis=0)]
+    no stake grows); x of shape (..., n), samples on the last axis."""
+    lam = np.linspace(0, cap, STAKES + 1).reshape((-1,) + (1,) * x.ndim)
+    grown = np.cumsum(np.log1p(sign * lam * (x[None] - threshold)), axis=-1)  # [stake, ..., t]
+    before = np.concatenate([np.zeros(grown.shape[:-1] + (1,)), grown[..., :-1]], axis=-1)
+    before += prior * np.log1p(sign * lam * (neutral - threshold))
+    return lam.reshape(-1)[np.argmax(before, axis=0)]
+
+
+def _stakes(x: np.ndarray, lo: float, hi: float, threshold: float, neutral: float) -> tuple[np.ndarray, np.ndarray]:
+    """The Kelly stakes of the upward bet (plain) and of the downward bet (after the prior, capped at SAFE_CAP)."""
+    up = _kelly(x, threshold, CAP / (threshold - lo), +1)
+    down = _kelly(x, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(neutral, lo), hi))
+    return up, down
+
+
+def _at_threshold(x, threshold, stake, plug_in, width, sign) -> np.ndarray:
+    """log of the mixed wealth at the threshold after each sample (as `_log_wealth` at m = threshold), for x of shape
+    (..., n)."""
+    weight = WEIGHT if sign > 0 else SAFE_WEIGHT
+
+    def log_k(lam):
+        return np.cumsum(np.log1p(sign * np.minimum(lam, CAP / width) * (x - threshold)), axis=-1)
+
+    return np.logaddexp(math.log(weight) + log_k(stake), math.log(1 - weight) + log_k(plug_in))
+
+
+def wealth_at(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA,
+              neutral: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """The log wealth at the threshold of the upward and downward bets after each sample: x of shape (..., n), each
+    row in draw order, every value in [lo, hi] (many cells at once for simulations). The stakes `sequence` uses: a
+    decision at the threshold is its wealth's first reaching log(1/α)."""
+    x = np.asarray(x, float)
+    up, down = _stakes(x, lo, hi, threshold, neutral)
+    plug_in = _plug_in(x, lo, hi, alpha)
+    return (_at_threshold(x, threshold, up, plug_in, threshold - lo, +1),
+            _at_threshold(x, threshold, down, plug_in, hi - threshold, -1))
 
 
 def _log_wealth(x, m, kelly, plug_in, width, sign):
@@ -156,16 +188,8 @@ def _more(x: np.ndarray, lo: float, hi: float, threshold: float, neutral: float,
     order (as the wealth would meet them if the cell went on alike), run through the same stakes until that side's
     wealth at the threshold reaches the level; inf where it does not within HORIZON samples in all."""
     n = len(x)
-    reps = max(2, -(-HORIZON // n))
-    more = np.tile(x, reps)
-    plug_in, level = _plug_in(more, lo, hi, alpha), math.log(1 / alpha)
-    at = np.array([threshold])
-    if x.mean() > threshold:
-        wealth = _log_wealth(more, at, _kelly(more, threshold, CAP / (threshold - lo), +1), plug_in, at - lo, +1)[0]
-    else:
-        stakes = _kelly(more, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(neutral, lo), hi))
-        wealth = _log_wealth(more, at, stakes, plug_in, hi - at, -1)[0]
-    crossed = np.flatnonzero(wealth[n:] >= level)
+    up, down = wealth_at(np.tile(x, max(2, -(-HORIZON // n))), lo, hi, threshold, alpha, neutral)
+    crossed = np.flatnonzero((up if x.mean() > threshold else down)[n:] >= math.log(1 / alpha))
     return float(crossed[0] + 1) if len(crossed) else math.inf
 
 
@@ -184,8 +208,7 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA, ne
         raise ValueError(f"scores must lie in [{lo}, {hi}]; got values from {x.min()} to {x.max()}")
     x = np.clip(x, lo, hi)
     plug_in = _plug_in(x, lo, hi, alpha)
-    up = _kelly(x, threshold, CAP / (threshold - lo), +1)
-    down = _kelly(x, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(neutral, lo), hi))
+    up, down = _stakes(x, lo, hi, threshold, neutral)
     grid = np.union1d(np.linspace(lo, hi, GRID + 1)[1:-1], [threshold])
     level = math.log(1 / alpha)
 
@@ -201,38 +224,11 @@ def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA, ne
     low = float(grid[first_kept - 1]) if first_kept > 0 else lo
     first_out = _bisect(grid, rejected_down)
     high = float(grid[first_out]) if first_out < len(grid) else hi
-    at = np.array([threshold])
-    wealth_up = _log_wealth(x, at, up, plug_in, at - lo, +1)[0]
-    wealth_down = _log_wealth(x, at, down, plug_in, hi - at, -1)[0]
+    wealth_up = _at_threshold(x, threshold, up, plug_in, threshold - lo, +1)
+    wealth_down = _at_threshold(x, threshold, down, plug_in, hi - threshold, -1)
     up_at, down_at = _first(wealth_up >= level), _first(wealth_down >= level)
     return Sequence(low, high, float(wealth_up[-1]), float(wealth_down[-1]), up_at, down_at,
                     (x, lo, hi, threshold, neutral, alpha))
-
-
-def wealth_at(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA,
-              neutral: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """The log wealth at the threshold of the upward and downward bets after each sample, for many cells at once:
-    `x` of shape (cells, n) (or (n,)), each row in draw order, every value in [lo, hi]. The same stakes as
-    `sequence` (a decision at the threshold is its wealth's first reaching log(1/α)); for simulations."""
-    x = np.atleast_2d(np.asarray(x, float))
-    lam_up = np.linspace(0, CAP / (threshold - lo), STAKES + 1)
-    lam_down = np.linspace(0, SAFE_CAP * CAP / (hi - threshold), STAKES + 1)
-
-    def kelly(lam, sign, prior):
-        grown = np.cumsum(np.log1p(sign * lam[:, None, None] * (x[None] - threshold)), axis=2)  # [stake, cell, t]
-        before = np.concatenate([np.zeros(grown.shape[:2] + (1,)), grown[:, :, :-1]], axis=2)
-        before += prior * np.log1p(sign * lam * (min(max(neutral, lo), hi) - threshold))[:, None, None]
-        return lam[np.argmax(before, axis=0)]  # [cell, t]
-
-    plug_in = np.stack([_plug_in(row, lo, hi, alpha) for row in x])
-
-    def wealth(stake, sign, weight):
-        cap = CAP / ((threshold - lo) if sign > 0 else (hi - threshold))
-        k = np.cumsum(np.log1p(sign * np.minimum(stake, cap) * (x - threshold)), axis=1)
-        p = np.cumsum(np.log1p(sign * np.minimum(plug_in, cap) * (x - threshold)), axis=1)
-        return np.logaddexp(math.log(weight) + k, math.log(1 - weight) + p)
-
-    return wealth(kelly(lam_up, +1, 0), +1, WEIGHT), wealth(kelly(lam_down, -1, PRIOR), -1, SAFE_WEIGHT)
 
 
 def samples_to_reach(value: float, lo: float, hi: float, threshold: float, e: float = 1 / ALPHA,
@@ -240,10 +236,8 @@ def samples_to_reach(value: float, lo: float, hi: float, threshold: float, e: fl
     """How many samples all equal to `value` (below the threshold: no change, KL 0) the downward wealth at the
     threshold needs to reach `e` (1/α: the cell's own 'safe'); 0 if `limit` do not. The counts quoted in kvlab's
     texts come from here."""
-    x = np.full(limit, float(value))
-    at = np.array([threshold])
-    stakes = _kelly(x, threshold, SAFE_CAP * CAP / (hi - threshold), -1, PRIOR, min(max(value, lo), hi))
-    return _first(_log_wealth(x, at, stakes, _plug_in(x, lo, hi, ALPHA), hi - at, -1)[0] >= math.log(e))
+    _, down = wealth_at(np.full(limit, float(value)), lo, hi, threshold, neutral=value)
+    return _first(down >= math.log(e))
 
 
 def ebh(e_values, alpha: float = ALPHA, log: bool = False) -> np.ndarray:

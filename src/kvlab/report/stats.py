@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvlab.anytime import samples_to_reach, sequence
+from kvlab.anytime import e_value, samples_to_reach, sequence
 
 LEVEL = 0.95  # every interval's confidence (two-sided for accuracy; one-sided for each bound of a decision)
 Z = stats.norm.ppf(LEVEL)  # one-sided z of the decision bounds (1.645)
@@ -84,11 +84,11 @@ class Bounds:
 
     @property
     def e_safe(self) -> float:
-        return math.exp(self.log_e_safe) if self.log_e_safe < 709 else math.inf
+        return e_value(self.log_e_safe)
 
     @property
     def e_unsafe(self) -> float:
-        return math.exp(self.log_e_unsafe) if self.log_e_unsafe < 709 else math.inf
+        return e_value(self.log_e_unsafe)
 
     def decide(self, threshold: float) -> str:
         """'safe' (upper bound ≤ threshold, and the tail share's within its limit), 'unsafe' (lower bound ≥
