@@ -142,12 +142,10 @@ def kept(jc: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     'unsafe' is wrong), so exactly C of the 2C nulls are true and e-BH at 2α over the 2C log e-values keeps the
     expected share of wrong decisions among the kept at most α: a test is kept at k kept ones when its e-value
     reaches C/(αk)."""
-    judged = jc["decision"].isin(DECIDED).to_numpy()
+    judged = np.tile(jc["decision"].isin(DECIDED).to_numpy(), 2)  # the tests of judged cells: safe ones, then unsafe
     log_e = np.r_[jc["log_e_safe"].to_numpy(float), jc["log_e_unsafe"].to_numpy(float)]
-    log_e = np.where(np.r_[judged, judged] & ~np.isnan(log_e), log_e, -np.inf)
     keep = np.zeros(2 * len(jc), bool)
-    both = np.r_[judged, judged]
-    keep[both] = ebh(log_e[both], 2 * ALPHA, log=True)
+    keep[judged] = ebh(np.where(np.isnan(log_e), -np.inf, log_e)[judged], 2 * ALPHA, log=True)
     safe, unsafe = keep[: len(jc)], keep[len(jc):]
     return safe & (jc["decision"] == "safe").to_numpy(), unsafe & (jc["decision"] == "unsafe").to_numpy()
 
@@ -189,8 +187,8 @@ def _binding(g: pd.DataFrame, decision: str) -> pd.Series:
 def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
     """One printed cell per (by…, method, budget), in the rows' order: its job cells (kvlab's tested units) judged
     and combined (`combine`); `table_decision`, the decision e-BH keeps over the table (rows without `annotate`'s
-    flags are taken to be the whole table); `jobs`, each job cell's decision, bounds and n. A cell of one job cell
-    is that job cell's judgement."""
+    flags are taken to be the whole table); `jobs`, each job cell's own decision. A cell of one job cell is that
+    job cell's judgement."""
     if "ebh_safe" not in rows:
         rows = annotate(rows, rule)
     jc = job_cells(rows, rule, by)
