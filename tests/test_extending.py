@@ -51,7 +51,7 @@ def test_task_kinds_are_the_schema_kinds_with_a_shape_and_a_readme_row():
 
 
 def test_the_guide_names_the_registries_where_they_are():
-    guide = README[README.index("### Extending kvlab"):]
+    guide = README[README.index("## Extending kvlab"):]
     for registry, path in (("KINDS", "src/kvlab/methods/__init__.py"), ("SCHEMES", "src/kvlab/methods/schemes/__init__.py"),
                            ("KINDS", "src/kvlab/tasks/__init__.py"), ("SHAPES", "src/kvlab/tasks/base.py"),
                            ("SECTIONS", "src/kvlab/report/sections/__init__.py")):

@@ -229,20 +229,23 @@ def test_a_pooled_cell_is_decided_on_its_jobs_not_printed_safe():
     assert by_length.loc[8192, "decision"] == "safe" and by_length.loc[32000, "decision"] == "unsafe"
 
 
-def test_the_counts_quoted_in_the_readme_and_config_are_computed():
-    """The sample counts the README and config.yaml quote come from the functions that decide."""
+def test_the_counts_quoted_in_the_docs_and_config_are_computed():
+    """The sample counts the docs (docs/statistics.md, docs/configuration.md) and config.yaml quote come from the
+    functions that decide."""
     root = Path(__file__).resolve().parents[1]
-    readme, config = (root / "README.md").read_text(), (root / "config.yaml").read_text()
+    stats, config = (root / "docs" / "statistics.md").read_text(), (root / "config.yaml").read_text()
+    configuration = (root / "docs" / "configuration.md").read_text()
     rule = Rule()
     lossless, stop = lossless_samples(rule.tolerance_points), lossless_samples(rule.tolerance_points, rule.stop_e)
     one_loss = np.zeros((60, 200))
     one_loss[np.arange(60), np.arange(60)] = 1.0
     worst = int(first_true(wealth_at(one_loss, -1.0, 1.0, THETA)[1] >= LEVEL).max())
-    assert f"A cell that loses no answer needs {lossless} samples" in readme and f"at most {worst} (an exact" in readme
-    assert f"A lossless cell then runs to {stop} samples" in readme
-    assert f"a KL near 0 is decided safe after {quiet_kl_samples(rule.kl_safe)} samples" in readme
+    assert f"A cell that loses no answer needs {lossless} samples" in stats and f"at most {worst} (an exact" in stats
+    assert f"A lossless cell then runs to {stop} samples" in stats
+    assert f"a KL near 0 is decided safe after {quiet_kl_samples(rule.kl_safe)} samples" in stats
     one_point = lossless_samples(1)
-    assert f"since a cell that loses no answer needs {one_point}" in readme and f"at n = {one_point}" in config
+    assert f"since a cell that loses no answer needs {one_point}" in configuration and f"at n = {one_point}" in config
+    assert f"a cell that loses no answer needs {one_point} samples" in stats
     full = yaml.safe_load(config)["presets"]["full"]["tasks"]["niah_single"]["max_samples"]
     assert full >= one_point
     assert f"decided safe at 5 points after {lossless} prompts" in config
