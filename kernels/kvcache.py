@@ -46,6 +46,11 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in storage of its own when it is a slice of a larger tensor (the same values)."""
+    return t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+
+
 # --------------------------------------------------------------------------- #
 # The layer
 # --------------------------------------------------------------------------- #
@@ -268,9 +273,11 @@ class QuantizedKVLayer(KVLayer):
         """Move leading tokens into the sinks, then quantize what the policy quantizes of keys and of values."""
         spec = self.spec
         take, n_keys, n_values = self._plan(self.keys.shape[-2], self.values.shape[-2])
+        # Sinks and residual are copied out of the tensor they were cut from (`_own`): a slice would keep all of it
+        # alive, a prefill's whole full-precision K/V per quantized cache (measured: 3x the cache's bf16 bytes at 16K).
         if take:
-            self.sink_keys = _cat(self.sink_keys, self.keys[..., :take, :])
-            self.sink_values = _cat(self.sink_values, self.values[..., :take, :])
+            self.sink_keys = _cat(self.sink_keys, _own(self.keys[..., :take, :]))
+            self.sink_values = _cat(self.sink_values, _own(self.values[..., :take, :]))
             self.keys, self.values = self.keys[..., take:, :], self.values[..., take:, :]
         for name, codec, attr, n in (("key", spec.key, "keys", n_keys), ("value", spec.value, "values", n_values)):
             if not n:
@@ -286,7 +293,7 @@ class QuantizedKVLayer(KVLayer):
             clamped = codec.saturated(x[..., :n, :])
             if clamped is not None:
                 self.saturated = {**self.saturated, name: clamped + self.saturated.get(name, 0)}
-            setattr(self, attr, x[..., n:, :])
+            setattr(self, attr, _own(x[..., n:, :]))
             setattr(self, f"coded_{attr}", done + n)
 
     def get_seq_length(self) -> int:
@@ -354,8 +361,8 @@ def select_rows(layer: QuantizedKVLayer, rows: list[int]) -> QuantizedKVLayer:
 def layer_from_dense(keys: torch.Tensor, values: torch.Tensor, spec: LayerSpec, cos=None, sin=None) -> QuantizedKVLayer:
     """A quantized layer holding a prefilled (possibly evicted) cache, split into sinks / codes / residual."""
     layer = QuantizedKVLayer(spec)
-    layer.update(keys, values, {"cos": cos, "sin": sin} if spec.rope else None)
-    return layer
+    layer.append(keys, values, {"cos": cos, "sin": sin} if spec.rope else None)  # no full-precision view: a batch's
+    return layer  # forks build their own at their first read (`fork`), so one built here would only hold memory
 
 
 def hf_quantized_layer(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int, residual: int):

@@ -114,6 +114,19 @@ def test_measured_bytes_equal_the_formula(name, t):
     assert sum(coded) + sum(dense) == 2 * t == 2 * layer.get_seq_length()
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_quantized_layer_holds_only_what_it_stores(name):
+    """Built from a prefill, a layer keeps no full-precision view and no slice of the prefill's tensors: the memory its
+    tensors hold is the bytes it counts (the prefill's K/V freed with it; issue 53's 3x at 16K)."""
+    keys, values = random_kv(100)
+    cos, sin = rope_tables(100)
+    layer = kvcache.layer_from_dense(keys, values, SPECS[name](), cos, sin)
+    assert layer._view is None
+    held = [t for t in (layer.keys, layer.values, layer.sink_keys, layer.sink_values) if t is not None]
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in held)
+    assert all(t.untyped_storage().data_ptr() != keys.untyped_storage().data_ptr() for t in held if t.numel())
+
+
 @pytest.mark.parametrize("scheme", ["fp8", "int8", "lmdeploy"])
 def test_fp8_int8_and_lmdeploy_quantize_every_token_unless_given_a_residual(scheme):
     keys, values = random_kv(20)
