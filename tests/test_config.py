@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import ConfigError, dtype_floor_note, expand, resolve
+from kvlab.config import ConfigError, dtype_floor_note, expand, load_schema, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
@@ -68,8 +68,7 @@ def test_every_preset_covers_every_task_kind(config):
     """study (the wider study), wide, smoke (the CI run of the DAG), evidence and full exercise every generator the
     schema allows; the dataset kind's shipped example runs in study, wide and smoke (evidence and full size the
     claims' cells)."""
-    schema = yaml.safe_load(SCHEMA.read_text())
-    kinds = set(schema["$defs"]["task"]["properties"]["kind"]["enum"])
+    kinds = set(load_schema(SCHEMA)["$defs"]["task"]["properties"]["kind"]["enum"])
     for preset in ("study", "wide", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
         expected = kinds - {"dataset"} if preset in ("evidence", "full") else kinds

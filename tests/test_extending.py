@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-
+from kvlab.config import load_schema
 from kvlab.kernels import kvcache, layouts
 from kvlab.methods import KINDS, Variant, kind_of
 from kvlab.methods.schemes import SCHEMES
@@ -17,7 +16,7 @@ from kvlab.tasks import GENERATORS
 from kvlab.tasks.base import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA = yaml.safe_load((ROOT / "workflow" / "config.schema.yaml").read_text())
+SCHEMA = load_schema(ROOT / "workflow" / "config.schema.yaml")
 README = (ROOT / "README.md").read_text()
 
 

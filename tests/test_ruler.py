@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kvlab.config import load_schema
 from kvlab.tasks import ruler
 from kvlab.tasks.base import chat_pieces
 from kvlab.tasks.scoring import score
@@ -152,7 +153,7 @@ def test_shapes_and_metrics_follow_rulers_tasks():
 
 
 def test_schema_lists_rulers_tasks():
-    schema = yaml.safe_load((ROOT / "workflow" / "config.schema.yaml").read_text())
+    schema = load_schema(ROOT / "workflow" / "config.schema.yaml")
     (branch,) = [b["then"] for b in schema["$defs"]["task"]["allOf"] if b["if"]["properties"]["kind"].get("const") == "ruler"]
     assert branch["properties"]["ruler_task"]["enum"] == ruler.task_names()
     assert len(ruler.task_names()) == 13

@@ -146,11 +146,11 @@ def test_chat_mix_rows_render_and_default_to_agreement(chats, tiny):
 
 
 def test_every_recipe_is_in_the_schema_and_runnable():
-    import yaml
-
     from conftest import ROOT
 
-    schema = yaml.safe_load((ROOT / "workflow" / "config.schema.yaml").read_text())
+    from kvlab.config import load_schema
+
+    schema = load_schema(ROOT / "workflow" / "config.schema.yaml")
     dataset_spec = next(b["then"] for b in schema["$defs"]["task"]["allOf"] if b["if"]["properties"]["kind"].get("const") == "dataset")
     assert set(dataset_spec["properties"]["recipe"]["enum"]) == set(RECIPES) == set(dataset.PROMPTS_ONLY_RECIPES)
     with pytest.raises(ValueError, match=r"^chat_mix: rows must be an integer"):

@@ -9,9 +9,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from kvlab import press_source, tasks
+from kvlab import params, press_source, tasks
 from kvlab.kernels.accounting import Scheme
-from kvlab.methods import kind_of
+from kvlab.methods import KINDS, kind_of
 
 
 class ConfigError(ValueError):
@@ -158,7 +158,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
 
     Every preset is checked, not only the selected one, so a broken preset is found before it is used.
     """
-    schema = yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    schema = load_schema(schema_path)
     base = copy.deepcopy(config)
     _validate(base, schema, where="config")
     presets = base.get("presets", {})
@@ -181,6 +181,15 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
             resolved = candidate
     resolved["presets"] = presets
     return resolved
+
+
+def load_schema(schema_path: str | Path) -> dict:
+    """The config schema: the file (workflow/config.schema.yaml), with `$defs.method` and `$defs.task` made from the
+    method and task kinds' parameter declarations (their `Params`, kvlab.params), so a kind is declared once."""
+    schema = yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    schema["$defs"]["method"] = params.definition({name: kind.Params for name, kind in KINDS.items()})
+    schema["$defs"]["task"] = params.definition({name: module.Params for name, module in tasks.KINDS.items()})
+    return schema
 
 
 def check_device(config: dict) -> None:

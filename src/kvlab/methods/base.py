@@ -1,7 +1,8 @@
 """The method-kind interface. A config entry `methods.NAME` becomes a :class:`MethodKind` of its `kind`
 (registered in `kvlab.methods.KINDS`), which owns everything kind-specific:
 
-- its parameters and their checks beyond the schema (:meth:`problem`, called by config validation);
+- its parameters (its `Params`, declared once: kvlab.params makes the config schema's branch of the kind from them)
+  and their checks beyond the schema (:meth:`problem`, called by config validation);
 - whether it evicts (then it runs at every budget) and whether it reads the model's calibration;
 - what it does to a copy of the prefilled cache after any press has evicted (:meth:`apply`);
 - how its kept entries are stored: the row columns (:attr:`storage`) and the byte layout the accounting
@@ -14,9 +15,19 @@ snakemake start) constructs kinds without loading them.
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from dataclasses import dataclass
+from typing import ClassVar, Literal, Protocol
 
-from kvlab.methods.press import Problem, press_problem
+from kvlab.methods.press import PRESS_NAME, Problem, press_problem
+from kvlab.params import param
+
+
+@dataclass(kw_only=True)
+class MethodParams:
+    """The keys of a method entry besides `kind`: every kind's `Params` subclasses this."""
+
+    tasks: list[str] | None = param(None, "run this method on these tasks only (default every task); the full reference runs "
+                                    "everywhere", minItems=1, uniqueItems=True)
 def region_keep(budget: float, tokens: int, prefix: int) -> float:
     """The share of all `tokens` to keep so that the first `prefix` are kept whole and `budget` of the others, counted
     as kvpress counts (int(n × budget)): prefix + int((tokens − prefix) × budget) tokens, nudged up by a thousandth of a
@@ -46,6 +57,7 @@ class MethodKind:
     and `tasks`. The base class is a cache left as prefilled, evicted by a kvpress press when it has one."""
 
     name: ClassVar[str]
+    Params: ClassVar[type] = MethodParams  # its parameters (kvlab.params); a kind with none of its own keeps these
 
     def __init__(self, params: dict):
         self.params = params
@@ -108,3 +120,15 @@ class KVPress(MethodKind):
     """Any press class of kvpress, by name, with its keyword arguments (and an optional kvpress wrapper)."""
 
     name = "kvpress"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        press: str = param(doc="a kvpress press class name, e.g. SnapKVPress", pattern=PRESS_NAME)
+        kwargs: dict = param({}, "keyword arguments of the press (compression_ratio is set from `budgets`)")
+        wrapper: str | None = param(
+            None, "a kvpress wrapper press built around `press`: KeyRerotationPress (kept keys re-rotated to positions 0…n-1, "
+            "decoding continues at n), MergingPress (evicted values merged into their most similar kept token), …", pattern=PRESS_NAME)
+        wrapper_kwargs: dict = param({}, "keyword arguments of the wrapper (its `press` is set for you)")
+        layer_budgets: Literal["calibrated"] | None = param(
+            None, "per-layer budgets from the model's calibration (layer_budget: the share of keys holding 90% of each layer's "
+            "attention), scaled so the layers keep `budget` of the context on average")

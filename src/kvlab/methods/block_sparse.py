@@ -9,13 +9,23 @@ among them. Rows keep ``compression_vs_bf16`` at 1 (nothing is freed) and record
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind, Services
+from dataclasses import dataclass
+from typing import Literal
+
+from kvlab.methods.base import MethodKind, MethodParams, Services
+from kvlab.params import param
 
 
 class BlockSparse(MethodKind):
     """Post-hoc block selection at decode time over a cache kept whole."""
 
     name = "block_sparse"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        selector: Literal["moba", "quest"] = param(doc="how a decode step scores past blocks: moba (query · mean key) or quest "
+                                                   "(bound from min/max keys)")
+        block: int = param(64, "tokens per block (MoBA's block, Quest's page)", minimum=1, maximum=65536)
 
     @property
     def evicts(self) -> bool:

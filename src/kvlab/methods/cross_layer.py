@@ -9,13 +9,21 @@ share and such rows show it beside the measured bytes.
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind, Services
+from dataclasses import dataclass
+
+from kvlab.methods.base import MethodKind, MethodParams, Services
+from kvlab.params import param
 
 
 class CrossLayer(MethodKind):
     """Layers read an earlier layer's keys and values, on a model trained with its own per layer."""
 
     name = "cross_layer"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        every: int = param(2, "layers per sharing group: the first stores K/V, the rest read it (CLA-2: 2; 1 shares nothing)",
+                           minimum=1, maximum=64)
 
     def formula_bytes(self, geom, dtype: str, budget: float, tokens: int, held: float, prefix: int = 0) -> int:
         """The full cache's bytes times the share of layers that store: the first of each group of `every`

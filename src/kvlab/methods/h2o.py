@@ -9,13 +9,20 @@ computed from the captured attention inputs; decoding adds each new query's atte
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind, Services
+from dataclasses import dataclass
+
+from kvlab.methods.base import MethodKind, MethodParams, Services
+from kvlab.params import param
 
 
 class H2O(MethodKind):
     """H2O as published: attention received, accumulated at every decoding step, evicts to the budget."""
 
     name = "h2o"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        recent: float = param(0.5, "share of the kept tokens reserved for the newest ones (H2O: half)", minimum=0, maximum=1)
 
     @property
     def evicts(self) -> bool:

@@ -16,7 +16,12 @@ MiKV's high tier may be INT8 as well; this kind keeps it in the model's dtype (b
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind, Services
+from dataclasses import dataclass
+from typing import Literal
+
+from kvlab.methods.base import MethodKind, MethodParams, Services
+from kvlab.methods.press import PRESS_NAME
+from kvlab.params import param
 from kvlab.methods.schemes.kivi import KIVI
 
 
@@ -24,6 +29,15 @@ class MiKV(MethodKind):
     """Eviction's kept tokens in full precision, its evicted ones as KIVI codes."""
 
     name = "mikv"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        scorer: str = param(doc="a kvpress scorer press (e.g. SnapKVPress): the tokens it would keep at the budget stay in full "
+                                "precision, the ones it would evict become codes", pattern=PRESS_NAME)
+        kwargs: dict = param({}, "keyword arguments of the scorer press")
+        bits: Literal[2, 4] = param(2, "code width of the evicted tokens (KIVI: keys per channel, values per token)")
+        group: int = param(32, "G: tokens per key group and channels per value group", minimum=1, maximum=4096)
+        residual: int = param(32, "R: newest tokens kept in full precision while decoding (KIVI's residual)", minimum=0, maximum=65536)
 
     def __init__(self, params: dict):
         super().__init__(params)

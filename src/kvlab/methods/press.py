@@ -7,6 +7,8 @@ from typing import Any
 
 from kvlab import press_source
 
+PRESS_NAME = "^[A-Z][A-Za-z0-9]*Press$"  # the pattern of a press's class name in the schema
+
 # (key under the method entry, what is wrong and what would be right): config validation adds the file and path
 Problem = tuple[str, str] | None
 

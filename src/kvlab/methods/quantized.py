@@ -9,14 +9,45 @@ Only full-attention layers are quantized; sliding-window layers (Gemma 3) keep t
 
 from __future__ import annotations
 
-from kvlab.methods.base import MethodKind, Services
+from dataclasses import dataclass
+from typing import Literal
+
+from kvlab.methods.base import KVPress, MethodKind, MethodParams, Services
+from kvlab.methods.press import PRESS_NAME
 from kvlab.methods.schemes import SCHEMES
+from kvlab.params import param
 
 
 class Quant(MethodKind):
     """kvlab's quantized caches: packed codes inside generation, the storage of the entry's scheme."""
 
     name = "quant"
+
+    @dataclass(kw_only=True)
+    class Params(KVPress.Params):  # a press is optional here
+        press: str | None = param(None, "optional kvpress press applied first (evict, then quantize what is kept), at every budget",
+                                  pattern=PRESS_NAME)
+        kwargs: dict = param({}, "keyword arguments of the press")
+        scheme: str = param(doc="fp8 (E4M3) | int8 (per token) | kivi (per-channel keys, per-token values) | kvquant (pre-RoPE "
+                                "non-uniform keys) | lmdeploy (LMDeploy/TurboMind: per head and token, no residual)", enum=list(SCHEMES))
+        bits: Literal[2, 4, 8] = param(4, "code width of kivi (2, 4, 8), kvquant (2, 4) and lmdeploy (4, 8)")
+        group: int = param(32, "G: tokens per key group and channels per value group", minimum=1, maximum=4096)
+        residual: int | None = param(None, "R: newest tokens kept in full precision (default 32 for kivi and kvquant, 0 for fp8, "
+                                     "int8 and lmdeploy: every token quantized, as deployed caches do)", minimum=0, maximum=65536)
+        key_axis: Literal["channel", "token"] = param("channel", "kivi keys: per channel over G tokens, or per token over G channels")
+        value_axis: Literal["token", "channel"] = param("token", "kivi values: per token over G channels, or per channel over G tokens")
+        policy: Literal["kivi", "together"] | None = param(
+            None, "kivi: which recent tokens stay in full precision. kivi (default, KIVI's own cache): keys quantized R at a "
+            "time once R are held, values one at a time beyond the newest R (R a multiple of G); together (kvlab's earlier "
+            "policy): keys and values together in whole groups of G beyond the newest R")
+        scales: Literal["calibrated", "dynamic"] = param("calibrated", "fp8: static per-head scales from calibration, or one "
+                                                         "per-tensor scale set at prefill")
+        max_saturated: float | None = param(
+            None, "fp8: refuse (stop the job with one line) a cache whose context's key or value entries were clamped at ±448 × "
+            "scale in a larger share (rows carry kv_saturated_keys / _values either way)", minimum=0, maximum=1)
+        outliers: float = param(0.01, "kvquant: fraction of each key vector kept sparse in fp16 (at least one entry when > 0)",
+                                minimum=0, maximum=0.5)
+        sink_tokens: int = param(1, "kvquant: first tokens kept in full precision", minimum=0, maximum=1024)
 
     def __init__(self, params: dict):
         super().__init__(params)
@@ -96,6 +127,12 @@ class HFQuantized(MethodKind):
     """transformers' QuantizedCache layers (quanto backend: `bits`, `group`, `residual`); bytes measured only."""
 
     name = "hf_quantized"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        bits: Literal[2, 4] = param(4, "transformers' QuantizedCache, quanto backend")
+        group: int = param(32, "q_group_size", minimum=1, maximum=4096)
+        residual: int = param(32, "residual_length", minimum=0, maximum=65536)
 
     @property
     def quantized(self) -> bool:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import random
 
 from kvlab.tasks.base import Sample, chat_prompt, independent
+from kvlab.tasks.params import Answered
+
+Params = Answered  # no parameters of its own
 
 NAMES = ("Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Leo")
 INSTRUCTION = "Solve the problem step by step, briefly, then finish with: The answer is N."

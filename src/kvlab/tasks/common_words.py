@@ -5,12 +5,23 @@ input is redundant but no single token holds the answer. Scored with string_matc
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from kvlab.corpus import kjv_vocabulary
+from kvlab.params import param
 from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, independent
+from kvlab.tasks.params import Answered
 
 INSTRUCTION = "Below is a numbered list of words. Some words appear more often than the others: remember which."
 QUESTION = "What are the {k} most common words in the list above? Answer with the {k} words only."
+
+
+
+@dataclass(kw_only=True)
+class Params(Answered):
+    common_words: int = param(5, "how many words recur (the answer)", minimum=1, maximum=20)
+    common_freq: int = param(10, "occurrences of each common word", minimum=2)
+    uncommon_freq: int = param(2, "occurrences of each other word (below common_freq)", minimum=1)
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

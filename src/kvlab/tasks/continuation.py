@@ -5,9 +5,17 @@ protocol of the quantization study (prefix of `context_tokens`, `continuation_to
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from kvlab.corpus import kjv_sentences, prose_ids
+from kvlab.params import param
 from kvlab.tasks.base import Prompt, Sample, independent
+from kvlab.tasks.params import TaskParams
+
+
+@dataclass(kw_only=True)
+class Params(TaskParams):  # nothing is answered: no decoding cap, no sequential rounds
+    continuation_tokens: int = param(128, "true continuation tokens teacher-forced for KL and perplexity", minimum=2, maximum=4096)
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

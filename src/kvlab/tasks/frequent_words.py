@@ -4,13 +4,21 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from kvlab.corpus import kjv_vocabulary
+from kvlab.params import param
 from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, independent
+from kvlab.tasks.params import Answered
 
 INSTRUCTION = "Read the following text of words and note how often each word occurs."
 QUESTION = "What are the three most frequent words in the text above? Answer with the three words only."
 TOP = 3
+
+
+@dataclass(kw_only=True)
+class Params(Answered):
+    alpha: float = param(2.0, "Zipf exponent of word counts", exclusiveMinimum=0)
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

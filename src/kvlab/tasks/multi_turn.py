@@ -7,6 +7,9 @@ from __future__ import annotations
 from kvlab.tasks.base import Prompt, Sample, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
+from kvlab.tasks.params import AtDepths
+
+Params = AtDepths  # no parameters of its own
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

@@ -10,9 +10,13 @@ the sample's depth; the others at positions drawn once per sample. Scored with s
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
+from typing import Literal
 
+from kvlab.params import param
 from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, grid_samples
 from kvlab.tasks.haystack import Filler
+from kvlab.tasks.params import AtDepths
 
 ADJECTIVES = (
     "amber", "brisk", "calm", "dusty", "eager", "faded", "gentle", "hollow", "icy", "jolly", "keen", "lucky",
@@ -29,6 +33,16 @@ NEEDLE_OF_MANY = "One of the special magic numbers for {key} is: {value}."
 QUESTION = "What is the special magic number for {key} mentioned in the text? Answer with the number only."
 QUESTION_VALUES = "What are all the special magic numbers for {key} mentioned in the text? Answer with the numbers only."
 QUESTION_KEYS = "What are the special magic numbers for {keys} mentioned in the text? Answer with the numbers only."
+
+
+@dataclass(kw_only=True)
+class Params(AtDepths):
+    keys: int = param(1, "needles with distinct keys (the ones not asked are distractors)", minimum=1, maximum=16)
+    values: int = param(1, "values per key, all asked", minimum=1, maximum=8)
+    queries: int = param(1, "keys asked at once (at most keys)", minimum=1, maximum=8)
+    question_position: Literal["after", "before"] = param("after", "question after the document, or before it")
+
+
 DEFAULTS = {"haystack": "noise", "keys": 1, "values": 1, "queries": 1, "question_position": "after"}
 
 

@@ -4,9 +4,19 @@ needle and the end of the document; the needle goes at the sentence boundary clo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from kvlab.params import param
 from kvlab.tasks.base import Sample, encode, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
+from kvlab.tasks.params import InHaystack
+
+
+@dataclass(kw_only=True)
+class Params(InHaystack):
+    from_end_tokens: list[int] = param(doc="distances (model tokens) between the needle and the end of the document",
+                                       minItems=1, items={"minimum": 0})
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

@@ -5,16 +5,26 @@ through the chain. Other chains bound to other values are distractors. Scored wi
 from __future__ import annotations
 
 import string
+from dataclasses import dataclass
 
+from kvlab.params import param
 from kvlab.tasks.base import Sample, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import render
+from kvlab.tasks.params import AtDepths
 
 INSTRUCTION = "Variable assignments are hidden in the text below. Keep track of them: you will be asked about them."
 QUESTION = (
     "Find every variable that is assigned the value {value} in the text, directly or through other variables. "
     "Answer with the variable names only."
 )
+
+
+
+@dataclass(kw_only=True)
+class Params(AtDepths):
+    hops: int = param(4, "variables in each chain", minimum=1, maximum=16)
+    chains: int = param(2, "chains; all but the asked one are distractors", minimum=1, maximum=8)
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

@@ -1,6 +1,6 @@
 """Quantization schemes of `kind: quant`, by the config's `scheme` name. A new scheme: its module here (a
-`kvlab.methods.schemes.base.QuantScheme`), one line in `SCHEMES`, and its name in the `scheme` enum of
-workflow/config.schema.yaml (with any parameter of its own)."""
+`kvlab.methods.schemes.base.QuantScheme`) and one line in `SCHEMES` (the config's `scheme` choices are its keys);
+any parameter of its own goes in `kvlab.methods.quantized.Quant.Params`."""
 
 from kvlab.methods.schemes.base import QuantScheme
 from kvlab.methods.schemes.fp8 import FP8
