@@ -3,14 +3,22 @@ the README's "Extending kvlab" guide, and the scheme added through them (lmdeplo
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from kvlab.config import load_schema
+import yaml
+
+from kvlab import tasks
+from kvlab.config import ConfigError, load_schema, resolve
+from kvlab.engine import evaluate_sample
+from kvlab.jobs import run_params
 from kvlab.kernels import kvcache, layouts
-from kvlab.methods import KINDS, Variant, kind_of
+from kvlab.methods import KINDS, Variant, build, kind_of, variants
 from kvlab.methods.schemes import SCHEMES
 from kvlab.tasks import GENERATORS
 from kvlab.tasks.base import SHAPES
@@ -95,3 +103,135 @@ def test_lmdeploy_rows_say_what_they_store(bits):
     assert v.quantized and not v.evicts
     assert v.storage == {"scheme": "lmdeploy", "bits": bits, "key_axis": None, "value_axis": None, "policy": None}
     assert v.impl.scheme.residual == 0
+
+
+def test_each_kinds_branch_is_made_from_its_declared_params():
+    """The schema file holds no per-kind key: every branch allows exactly its kind's declared `Params` (and `kind`)."""
+    assert not {"method", "task"} & set(yaml.safe_load((ROOT / "workflow" / "config.schema.yaml").read_text())["$defs"])
+    for definition, registry in ((SCHEMA["$defs"]["method"], {k: c.Params for k, c in KINDS.items()}),
+                                 (SCHEMA["$defs"]["task"], {k: m.Params for k, m in tasks.KINDS.items()})):
+        for b in definition["allOf"]:
+            params = registry[b["if"]["properties"]["kind"]["const"]]
+            assert list(b["then"]["properties"]) == ["kind", *(f.name for f in dataclasses.fields(params))]
+            assert all(p.get("description") for k, p in b["then"]["properties"].items() if k != "kind")
+
+
+SKETCH = '''"""A method kind as a contributor adds one: this module, one line in KINDS, one config entry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.methods.base import NO_STORAGE, MethodKind, MethodParams
+from kvlab.params import param
+
+
+class Sketch(MethodKind):
+    """The cache as prefilled, at every budget or once; its rows' `scheme` says its tag."""
+
+    name = "sketch"
+
+    @dataclass(kw_only=True)
+    class Params(MethodParams):
+        tag: str = param(doc="what its rows' scheme column says", pattern="^[a-z]+$")
+        per_budget: bool = param(True, "run at every budget (else once, at budget 1.0)")
+
+    @property
+    def evicts(self) -> bool:
+        return self.params["per_budget"]
+
+    @property
+    def storage(self) -> dict:
+        return {**NO_STORAGE, "scheme": self.params["tag"]}
+'''
+
+ECHO = '''"""A task kind as a contributor adds one: this module, one line in KINDS (and its shape in SHAPES)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlab.params import param
+from kvlab.tasks.base import Sample, chat_prompt
+from kvlab.tasks.params import Answered
+
+
+@dataclass(kw_only=True)
+class Params(Answered):
+    words: int = param(40, "words of the document", minimum=1, maximum=1000)
+
+
+def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
+    return [Sample(task=name, kind="echo", sample_id=f"{name}-{i}", context_tokens=context_tokens, depth=None, seed=spec["seed"],
+                   prompt=chat_prompt(tokenizer, " ".join(["plum"] * spec["words"] + [str(i)]), " Which number ends it?"),
+                   gold=[str(i)]) for i in range(spec["samples"])]
+'''
+
+
+@pytest.fixture
+def added_kinds(tmp_path, monkeypatch):
+    """Kinds `sketch` (a method) and `echo` (a task), each a module written to `tmp_path` and one registry line
+    (the task's shape line too), as README's "Extending kvlab" says to add them."""
+    modules = {}
+    for name, text in (("kvlab_sketch", SKETCH), ("kvlab_echo", ECHO)):
+        (tmp_path / f"{name}.py").write_text(text)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        modules[name] = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, modules[name])
+        spec.loader.exec_module(modules[name])
+    monkeypatch.setitem(KINDS, "sketch", modules["kvlab_sketch"].Sketch)
+    monkeypatch.setitem(tasks.KINDS, "echo", modules["kvlab_echo"])
+    monkeypatch.setitem(GENERATORS, "echo", modules["kvlab_echo"].generate)  # what tasks/__init__.py derives from KINDS
+    monkeypatch.setitem(SHAPES, "echo", "echo")
+
+
+@pytest.fixture
+def config_with_added(added_kinds) -> dict:
+    config = yaml.safe_load((ROOT / "config.yaml").read_text())
+    config["methods"]["sketchy"] = {"kind": "sketch", "tag": "sk"}  # the one config entry
+    config["tasks"]["echo"] = {"kind": "echo", "context_tokens": [256], "samples": 2}
+    return config
+
+
+def test_added_kinds_are_validated_by_the_schema_made_from_their_params(config_with_added):
+    out = resolve(config_with_added, ROOT / "workflow" / "config.schema.yaml")
+    assert out["methods"]["sketchy"] == {"kind": "sketch", "tag": "sk", "per_budget": True}
+    assert out["tasks"]["echo"] == {"kind": "echo", "context_tokens": [256], "samples": 2, "seed": 0, "words": 40}
+    bad = [
+        (("methods", "sketchy"), {"kind": "sketch"}, "config: key 'methods.sketchy': missing required key 'tag'"),
+        (("methods", "sketchy"), {"kind": "sketch", "tag": "SK"}, "config: key 'methods.sketchy.tag': 'SK' does not match ^[a-z]+$"),
+        (("methods", "sketchy"), {"kind": "sketch", "tag": "sk", "per_budget": "yes"},
+         "config: key 'methods.sketchy.per_budget': expected boolean, got str 'yes'"),
+        (("methods", "sketchy"), {"kind": "sketch", "tag": "sk", "window": 4},
+         "config: unknown key 'window' under 'methods.sketchy'; allowed: kind, per_budget, tag, tasks"),
+        (("methods", "sketchy"), {"tag": "sk"}, "config: key 'methods.sketchy': missing 'kind' (required); one of: full, kvpress, h2o, "
+         "quant, hf_quantized, block_sparse, cross_layer, prompt_compression, mikv, sketch"),
+        (("tasks", "echo"), {"kind": "echo", "context_tokens": [256], "words": 0}, "config: key 'tasks.echo.words': 0 must be >= 1"),
+        (("tasks", "echo"), {"kind": "echo", "words": 3}, "config: key 'tasks.echo': missing required key 'context_tokens'"),
+        (("tasks", "echo"), {"kind": "echo", "context_tokens": [256], "depths": [0.5]},
+         "config: unknown key 'depths' under 'tasks.echo'; allowed: context_tokens, kind, max_new_tokens, max_samples, samples, seed, words"),
+        (("tasks", "echo"), {"kind": "eco", "context_tokens": [256]}, ", continuation, ruler, dataset, echo"),
+    ]
+    for (section, name), entry, message in bad:
+        config = {**config_with_added, section: {**config_with_added[section], name: entry}}
+        with pytest.raises(ConfigError) as info:
+            resolve(config, ROOT / "workflow" / "config.schema.yaml")
+        assert message in str(info.value), (entry, str(info.value))
+
+
+def test_added_kinds_are_planned_and_evaluated(config_with_added, tiny):
+    """The jobs the DAG plans for the added task carry the added method (at every budget), and the engine evaluates
+    that task's samples with it: its rows say its tag, and the cache it leaves as prefilled matches the full one."""
+    smoke = config_with_added["presets"]["smoke"]  # the smoke run's own methods and tasks (it replaces the top level's)
+    smoke["methods"]["sketchy"], smoke["tasks"]["echo"] = config_with_added["methods"]["sketchy"], config_with_added["tasks"]["echo"]
+    config = resolve({**config_with_added, "preset": "smoke"}, ROOT / "workflow" / "config.schema.yaml")
+    run = run_params(config, build(config["methods"]), "echo")
+    assert "sketchy" in run["methods"]
+    grid = [v for v in variants(run["methods"], run["budgets"], "echo") if v.method in ("full", "sketchy")]
+    assert [v.budget for v in grid if v.method == "sketchy"] == config["budgets"]
+    model, tokenizer = tiny
+    for sample in tasks.generate("echo", config["tasks"]["echo"], tokenizer, 256):
+        rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
+        sketch = [r for r in rows if r["method"] == "sketchy"]
+        assert len(sketch) == len(config["budgets"]) and {r["scheme"] for r in sketch} == {"sk"}
+        assert {r["task_kind"] for r in rows} == {"echo"} and all(r["kl_vs_full"] == pytest.approx(0, abs=1e-6) for r in sketch)
