@@ -33,10 +33,11 @@ def param(default: Any = dataclasses.MISSING, doc: str = "", **schema) -> Any:
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def reworded(params: type, name: str, doc: str) -> Any:
-    """Parameter `name` of `params` as declared there, with a kind's own `doc`."""
+def shared(params: type, name: str, doc: str | None = None) -> Any:
+    """Parameter `name` as `params` declares it (its doc, or a kind's own `doc`), for a kind that takes it without
+    subclassing `params`, or places it elsewhere among its keys (defaults are filled in the order of the keys)."""
     (field,) = [f for f in dataclasses.fields(params) if f.name == name]
-    return param(_default(field), doc, **field.metadata["schema"])
+    return param(_default(field), field.metadata["doc"] if doc is None else doc, **field.metadata["schema"])
 
 
 def definition(kinds: Mapping[str, type]) -> dict:

@@ -128,7 +128,7 @@ class KVPress(MethodKind):
         wrapper: str | None = param(
             None, "a kvpress wrapper press built around `press`: KeyRerotationPress (kept keys re-rotated to positions 0…n-1, "
             "decoding continues at n), MergingPress (evicted values merged into their most similar kept token), …", pattern=PRESS_NAME)
-        wrapper_kwargs: dict = param({}, "keyword arguments of the wrapper (its `press` is set for you)")
+        wrapper_kwargs: dict | None = param(None, "keyword arguments of the wrapper (its `press` is set for you)")
         layer_budgets: Literal["calibrated"] | None = param(
             None, "per-layer budgets from the model's calibration (layer_budget: the share of keys holding 90% of each layer's "
             "attention), scaled so the layers keep `budget` of the context on average")

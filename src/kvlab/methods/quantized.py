@@ -15,7 +15,7 @@ from typing import Literal
 from kvlab.methods.base import KVPress, MethodKind, MethodParams, Services
 from kvlab.methods.press import PRESS_NAME
 from kvlab.methods.schemes import SCHEMES
-from kvlab.params import param
+from kvlab.params import param, shared
 
 
 class Quant(MethodKind):
@@ -24,10 +24,7 @@ class Quant(MethodKind):
     name = "quant"
 
     @dataclass(kw_only=True)
-    class Params(KVPress.Params):  # a press is optional here
-        press: str | None = param(None, "optional kvpress press applied first (evict, then quantize what is kept), at every budget",
-                                  pattern=PRESS_NAME)
-        kwargs: dict = param({}, "keyword arguments of the press")
+    class Params(MethodParams):
         scheme: str = param(doc="fp8 (E4M3) | int8 (per token) | kivi (per-channel keys, per-token values) | kvquant (pre-RoPE "
                                 "non-uniform keys) | lmdeploy (LMDeploy/TurboMind: per head and token, no residual)", enum=list(SCHEMES))
         bits: Literal[2, 4, 8] = param(4, "code width of kivi (2, 4, 8), kvquant (2, 4) and lmdeploy (4, 8)")
@@ -48,6 +45,12 @@ class Quant(MethodKind):
         outliers: float = param(0.01, "kvquant: fraction of each key vector kept sparse in fp16 (at least one entry when > 0)",
                                 minimum=0, maximum=0.5)
         sink_tokens: int = param(1, "kvquant: first tokens kept in full precision", minimum=0, maximum=1024)
+        press: str | None = param(None, "optional kvpress press applied first (evict, then quantize what is kept), at every budget",
+                                  pattern=PRESS_NAME)
+        kwargs: dict = param({}, "keyword arguments of the press")
+        wrapper: str | None = shared(KVPress.Params, "wrapper")
+        wrapper_kwargs: dict | None = shared(KVPress.Params, "wrapper_kwargs")
+        layer_budgets: Literal["calibrated"] | None = shared(KVPress.Params, "layer_budgets")
 
     def __init__(self, params: dict):
         super().__init__(params)

@@ -45,7 +45,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-from kvlab.params import param
+from kvlab.params import param, shared
 from kvlab.tasks.base import Prompt, Sample, Turn, chat_pieces, chat_prompt, encode
 from kvlab.tasks.params import Answered
 from kvlab.tasks.rows import FIELDS, DatasetError, Record, load
@@ -56,13 +56,9 @@ DEFAULT_TEMPLATE = "{context}\n\n{question}"
 
 
 @dataclass(kw_only=True)
-class Params(Answered):
+class Params:  # Answered's keys, after its own (defaults are filled in this order)
     SCHEMA: ClassVar[dict] = {"oneOf": [{"required": ["path"]}, {"required": ["recipe"]}]}
 
-    context_tokens: list[int] = param([0], "0: each prompt at its natural length; N: prompts longer than N tokens lose the middle "
-                                      "of their context (one job per entry)", minItems=1, uniqueItems=True,
-                                      items={"minimum": 0, "maximum": 131072})
-    samples: int = param(20, "rows drawn first (a seeded permutation of the file's rows)", minimum=1)
     path: str | None = param(None, "your rows: .jsonl, .json, .csv, .parquet, or a datasets save_to_disk folder; relative to the "
                              "working directory or absolute (kvlab.tasks.dataset)", minLength=1)
     recipe: str | None = param(None, "instead of path: a file the pipeline writes (results/workloads/<task>.jsonl) from the SQuAD "
@@ -80,6 +76,13 @@ class Params(Answered):
                                                 "it are the context), or each user turn in order on one cache (as followups)")
     template: str = param(DEFAULT_TEMPLATE, "the user turn: {context} then {question}, each once")
     shape: str | None = param(None, "the report's row for this workload (default: workload <task name>)")
+    context_tokens: list[int] = param([0], "0: each prompt at its natural length; N: prompts longer than N tokens lose the middle "
+                                      "of their context (one job per entry)", minItems=1, uniqueItems=True,
+                                      items={"minimum": 0, "maximum": 131072})
+    samples: int = param(20, "rows drawn first (a seeded permutation of the file's rows)", minimum=1)
+    max_samples: int | None = shared(Answered, "max_samples")
+    seed: int = shared(Answered, "seed")
+    max_new_tokens: int | None = shared(Answered, "max_new_tokens")
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:

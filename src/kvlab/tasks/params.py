@@ -1,5 +1,5 @@
 """The parameters task kinds share (kvlab.params): a kind's module declares its `Params` by subclassing one of
-these, adding its own and rewording (`kvlab.params.reworded`) or redeclaring the shared ones it reads differently."""
+these, adding its own and rewording (`kvlab.params.shared`) or redeclaring the shared ones it reads differently."""
 
 from __future__ import annotations
 
@@ -41,8 +41,13 @@ class InHaystack(Answered):
 
 
 @dataclass(kw_only=True)
-class AtDepths(InHaystack):
-    """Needles at given depths of the document (the grid points)."""
+class Depths(Answered):
+    """A needle at given depths of the document (the grid points)."""
 
     depths: list[float] = param([0.1, 0.5, 0.9], "position of the (first asked) needle as a fraction of the document",
                                 minItems=1, items={"minimum": 0, "maximum": 1})
+
+
+@dataclass(kw_only=True)
+class AtDepths(InHaystack, Depths):
+    """Needles in filler text at given depths of the document (the grid points): depths, then haystack."""
