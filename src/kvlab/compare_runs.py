@@ -3,8 +3,8 @@
     python -m kvlab.compare_runs OLD_DIR NEW_DIR [--added-method NAME ...]
 
 Every `results/**/*.parquet` of one must be in the other with equal rows on every column but wall-clock ones
-(`*_s`, `speedup*`, `*_per_s`) and `decode_batch` (rows decoded together: it grows with the methods a run
-has). Rows of an `--added-method` (a method only the new run has) are left out of the new run's files first.
+(`*_s`, `speedup*`, `*_per_s`), `decode_batch` (rows decoded together: it grows with the methods a run
+has) and `waves` (how many waves the job's memory budget split them into). Rows of an `--added-method` (a method only the new run has) are left out of the new run's files first.
 Prints one line per file; exits 1 when any file differs or is missing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-VARYING = re.compile(r"(_s|speedup\w*|_per_s|^decode_batch)$")  # wall-clock columns differ between any two runs
+VARYING = re.compile(r"(_s|speedup\w*|_per_s|^decode_batch|^waves)$")  # wall-clock columns differ between any two runs
 
 
 def comparable(frame: pd.DataFrame, drop_methods: tuple[str, ...] = ()) -> pd.DataFrame:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from kvlab.engine.compress import cache_stats, compress
@@ -84,7 +84,7 @@ def evaluate_sample(
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
     kl: bool = True, noise_samples: int | None = None, other=None, other_samples: int | None = None,
-    open_modes: dict | None = None, on_rows=None,
+    open_modes: dict | None = None, on_rows=None, waves=None,
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -110,7 +110,8 @@ def evaluate_samples(
     None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
     for the compressions that give one of its modes (it still gets every row those compressions give). `on_rows`, if
     given, is called with the number of rows each sample adds once its teacher-forced passes are done (its
-    diverged rows' answers may still wait for the joint decode; a job's progress lines).
+    diverged rows' answers may still wait for the joint decode; a job's progress lines). `waves`: how each
+    compression's variants are split into waves that fit the job's memory budget (`_rows`; None: one wave).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -150,7 +151,7 @@ def evaluate_samples(
         makers, verified, count = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl,
                                         {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
                                         pending if wanted_here else None, open_modes,
-                                        {k[1:]: steps.pop(k) for k in list(steps) if k[0] == i})
+                                        {k[1:]: steps.pop(k) for k in list(steps) if k[0] == i}, waves)
         waiting.append((i, makers))
         runs += verified
         held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group[0])
@@ -206,7 +207,7 @@ def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
           reference_s: float, pending: list | None, open_modes: dict | None = None,
-          steps: dict | None = None) -> tuple[list, list[Verified], int]:
+          steps: dict | None = None, waves=None) -> tuple[list, list[Verified], int]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer), as makers: call each,
     in order, for its turn's rows once the returned verified turns' diverged rows are decoded and settled (with
     other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With
@@ -215,59 +216,128 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
     before its path, to be filled in later. `steps`: (key, turn) -> the logits the full answer's own decoding chose
     it from (`decode_references`' `keep`), from which a verified turn's noise floor is measured at once
     (`stepped_noise`: that decoding is the one-token reading the noise floor compares the one pass with), each
-    freed once used. `open_modes`: as in `evaluate_samples`."""
-    sample, p = pl.sample, pl.sample.prompt
+    freed once used. `open_modes`: as in `evaluate_samples`. `waves` (variants, reference index, context tokens) ->
+    lists of variant indices, each with the reference: the variants compressed, teacher-forced and decoded together,
+    one wave's caches freed before the next is compressed (kvlab.memory plans them under the job's budget; None: one
+    wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
+    sample = pl.sample
     makers, runs, count = [], [], 0
     every, every_ref = variants, ref
-    for key, labelled in pl.turns_of.items():
+    keys = list(pl.turns_of)
+    for at, (key, labelled) in enumerate(pl.turns_of.items()):
         variants, ref = _needed(every, every_ref, {m for ms in labelled.values() for m in ms}, open_modes)
         base, _ = pl.bases[key]
-        caches, compress_s, stats = [], [], []
-        for variant in variants:
-            t0 = time.perf_counter()
-            caches.append(compress(model, base, variant))
-            compress_s.append(time.perf_counter() - t0)
-            stats.append(cache_stats(caches[-1], variant, base.length))
+        groups = waves(variants, ref, base.length) if waves is not None else [list(range(len(variants)))]
+        stats, compress_s = [None] * len(variants), [0.0] * len(variants)
+        batch = [next(len(w) for w in groups if i in w) for i in range(len(variants))]  # rows decoded with each
+        found: dict[int, list] = {}  # turn -> each wave's (its variant indices, what the turn gave them)
+        for wave in groups:
+            caches = []
+            for i in wave:
+                t0 = time.perf_counter()
+                caches.append(compress(model, base, variants[i]))
+                if stats[i] is None:  # the reference is compressed again in every wave: its first wave's
+                    compress_s[i] = time.perf_counter() - t0
+                    stats[i] = cache_stats(caches[-1], variants[i], base.length)
+            local = wave.index(ref)
+            for number, (turn_tail, _) in enumerate(pl.turns[key], start=1):
+                if number in labelled:
+                    found.setdefault(number, []).append((wave, _turn(model, pl, caches, local, number, key, turn_tail,
+                                                                      max_new_tokens, kl, paths)))
+            del caches  # this wave's caches: only its diverged rows' and the reference's stay (theirs hold them)
+        if not any(pl.bases[k][0].parent is base for k in keys[at + 1 :]):
+            base.captures = []  # compressed by every variant: its captured layer inputs are no longer read
         for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
             if number not in labelled:
                 continue
-            div, logp_ref, path, run = [{} for _ in variants], None, None, None
-            if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
-                run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)], source=base.ids)
-                runs.append(run)
-                decoded, decode_s, tf_s = run.answers, None, run.teacher_forced_s
-                if kl and decoded[ref]:
-                    div, logp_ref, path = run.divergence, run.logp_ref, decoded[ref]
-            else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
-                t0 = time.perf_counter()
-                decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in variants]
-                decode_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                if kl and p.reference:
-                    div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
-                    path = p.reference
-                tf_s = time.perf_counter() - t0
+            turn = _joined(found[number], len(variants))
+            if turn.run is not None:
+                runs.append(turn.run)
             request = None
-            if logp_ref is not None and pending is not None:
+            if turn.logp_ref is not None and pending is not None:
                 noise, logits = None, (steps or {}).pop((key, number), None)
-                if logits is not None and run is not None:
+                if logits is not None and turn.run is not None:
                     t0 = time.perf_counter()
-                    noise = stepped_noise(logp_ref, logits, run.first[ref])
+                    noise = stepped_noise(turn.logp_ref, logits, turn.run.first[ref])
                     noise["noise_s"] = time.perf_counter() - t0
-                request = (caches[ref], turn_tail, path, base.length, logp_ref, noise)
+                request = (turn.ref_cache, turn_tail, turn.path, base.length, turn.logp_ref, noise)
             # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
-            timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": tf_s, "decode_s": decode_s}
+            timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": turn.tf_s, "decode_s": turn.decode_s,
+                      "waves": len(groups)}
             makers.append(partial(_turn_rows, tokenizer, sample, variants, ref, number, gold, labelled[number], base,
-                                  stats, compress_s, div, run or decoded, reference_s, timing, request, pending))
+                                  stats, compress_s, turn.div, turn.run or turn.decoded, reference_s, timing, request,
+                                  pending, batch))
             count += len(variants) * len(labelled[number])
     return makers, runs, count
 
 
+@dataclass
+class Turn:
+    """What one turn gives a wave's rows (`_turn`), or every wave's joined (`_joined`): answers (`run`, a verified
+    turn's, else `decoded`), KL columns, the reference's log-probabilities and cache, the KL path, and seconds."""
+
+    run: Verified | None
+    decoded: list | None
+    div: list[dict]
+    logp_ref: object
+    ref_cache: object
+    path: list[int] | None
+    tf_s: float
+    decode_s: float | None
+
+
+def _turn(model, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], max_new_tokens: int,
+          kl: bool, paths: dict) -> Turn:
+    """One turn on one wave's caches: verified along the full cache's answer (diverged rows decoded later, with other
+    samples'), or, for prose, every row decoded and read along the sample's reference text."""
+    sample, p = pl.sample, pl.sample.prompt
+    base = pl.bases[key][0]
+    div, logp_ref, path, run, decoded = [{} for _ in caches], None, None, None, None
+    if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
+        run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)], source=base.ids)
+        decode_s, tf_s = None, run.teacher_forced_s
+        if kl and run.answers[ref]:
+            div, logp_ref, path = run.divergence, run.logp_ref, run.answers[ref]
+    else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
+        t0 = time.perf_counter()
+        decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in caches]
+        decode_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if kl and p.reference:
+            div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
+            path = p.reference
+        tf_s = time.perf_counter() - t0
+    return Turn(run, decoded, div, logp_ref, caches[ref], path, tf_s, decode_s)
+
+
+def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
+    """The turns of a compression's waves as one: each variant's answer and KL from its wave (the reference's, and its
+    log-probabilities, from the first), the seconds summed, the diverged rows renumbered among all `n` variants."""
+    if len(parts) == 1 and parts[0][0] == list(range(n)):
+        return parts[0][1]
+    first, pick = parts[0][1], [None] * n
+    for wave, turn in parts:
+        for j, i in enumerate(wave):
+            if pick[i] is None:
+                pick[i] = (turn, j)
+    run = None
+    if first.run is not None:
+        run = Verified([t.run.answers[j] for t, j in pick], [t.run.divergence[j] for t, j in pick], first.run.logp_ref,
+                       [t.run.first[j] for t, j in pick], sum(t.run.decode_s for _, t in parts),
+                       sum(t.run.teacher_forced_s for _, t in parts),
+                       [replace(d, rows=[wave[r] for r in d.rows]) for wave, t in parts for d in t.run.diverged])
+    decoded = None if first.decoded is None else [t.decoded[j] for t, j in pick]
+    decode_s = None if first.decode_s is None else sum(t.decode_s for _, t in parts)
+    return Turn(run, decoded, [t.div[j] for t, j in pick], first.logp_ref, first.ref_cache, first.path,
+                sum(t.tf_s for _, t in parts), decode_s)
+
+
 def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, number: int, gold, modes: list[str], base,
                stats: list[dict], compress_s: list[float], div: list[dict], answers, reference_s: float, timing: dict,
-               request, pending: list | None) -> list[dict]:
+               request, pending: list | None, batch: list[int]) -> list[dict]:
     """One turn's rows, every variant × its question modes (`_rows`). `answers`: every row's answer, or the turn's
-    `Verified` (settled: its decode seconds then include the diverged rows' share)."""
+    `Verified` (settled: its decode seconds then include the diverged rows' share). `batch`: the rows of each
+    variant's wave (decoded together)."""
     if isinstance(answers, Verified):
         first, timing = answers.first, {**timing, "decode_s": reference_s + answers.decode_s}
         answers = answers.answers
@@ -298,7 +368,8 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
             "prefill_s": timing["prefill_s"],
             "compress_s": compress_s[i],
             "decode_s": timing["decode_s"],
-            "decode_batch": len(variants),
+            "decode_batch": batch[i],
+            "waves": timing["waves"],  # the waves the compression's variants ran in (kvlab.memory: the job's budget)
             "teacher_forced_s": timing["teacher_forced_s"],
             "new_tokens": len(answers[i]),
             # where the row's greedy choice first left the full cache's answer (None: never, so its
