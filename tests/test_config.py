@@ -220,7 +220,7 @@ def test_overlays_add_drop_retask_merge_and_extend(config):
     assert list(out["methods"]) == [m for m in workload["methods"] if m != "streaming_llm"] + ["int8"]
     assert out["methods"]["kivi4"]["tasks"] == ["qa_mix"] and "tasks" not in out["methods"]["snapkv"]
     assert out["sequential"] == {**workload["sequential"], "max_samples": 24}
-    assert out["dtype_floor"] == {"samples": 2, "tasks": ["qa_mix"]} and out["tasks"] == workload["tasks"]
+    assert out["dtype_floor"] == {"samples": 2, "tasks": ["qa_mix"], "max_context_tokens": 8192} and out["tasks"] == workload["tasks"]
 
 
 @pytest.mark.parametrize("preset, message", [

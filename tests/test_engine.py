@@ -76,8 +76,11 @@ def test_chunked_prefill_continues_the_same_cache(tiny, sample):
     assert chunked.length == whole.length
     for a, b in zip(whole.cache.layers, chunked.cache.layers):
         torch.testing.assert_close(a.keys, b.keys, rtol=1e-5, atol=1e-5)
-    for a, b in zip(whole.captures, chunked.captures):
+    assert len(chunked.captures[0].hidden_states[0]) == len(p.question)  # a continuation holds its own tokens' alone
+    for idx, a in enumerate(whole.captures):
+        b = chunked.capture(idx)  # joined to its parent's
         torch.testing.assert_close(a.hidden_states, b.hidden_states, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.cos, b.cos, rtol=0, atol=0)
 
 
 def test_full_decode_equals_hf_generate(tiny, sample):

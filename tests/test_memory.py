@@ -61,3 +61,62 @@ def test_rows_in_waves_equal_rows_in_one_wave(tiny, sharp, size):
         differ = [c for c in a if not VARYING.search(c) and c != "waves" and not same(c, a[c], b[c])]
         assert not differ, (a["method"], a["budget"], a["question_mode"], {c: (a[c], b[c]) for c in differ})
     assert any(r["diverged_at"] is not None for r in split)  # some rows left the full answer: their decoding was joined
+
+
+# --- the memory model (kvlab.memory) ---
+
+from kvlab.memory import ARTICLE_MODELS, GB, MemoryBudgetError, Row, Shape, estimate, main  # noqa: E402
+
+LONG = [Row(1.0, None), Row(1.0, 8), Row(1.0, 4), Row(1.0, 2), Row(0.25, None), Row(0.25, None), Row(0.25, None)]
+
+
+def test_shapes_count_the_published_parameters_and_kv_bytes():
+    """Llama-3.1-8B has 8.03B parameters, Qwen2.5-7B 7.62B (their model cards); Llama's bf16 KV at 128K is 16 GiB
+    (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes = 128 KiB a token)."""
+    llama, qwen = (Shape.from_config(ARTICLE_MODELS[m]) for m in ("llama3.1-8b", "qwen2.5-7b"))
+    assert round(llama.params / 1e9, 2) == 8.03
+    assert round(qwen.params / 1e9, 2) == 7.62
+    assert llama.kv(131072, 2) == 16 * 2**30
+    gemma = Shape.from_config({"num_hidden_layers": 4, "hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10, "sliding_window": 16,
+                               "layer_types": ["sliding_attention"] * 3 + ["full_attention"]})
+    assert gemma.kv(1000, 2) == 2 * (1000 + 3 * 16) * 1 * 4 * 2  # sliding layers hold their window
+
+
+def test_waves_fit_the_budget_and_hold_the_reference():
+    shape = Shape.from_config(ARTICLE_MODELS["llama3.1-8b"])
+    one = estimate(shape, "bfloat16", 32768, LONG, 0)
+    assert one.waves == [list(range(len(LONG)))]
+    least = one.least
+    last = None
+    for share in (0.9, 0.6, 0.3, 0.0):
+        budget = least + share * (one.peak - least)
+        est = estimate(shape, "bfloat16", 32768, LONG, 0, budget=budget)
+        assert est.peak <= budget and all(0 in w for w in est.waves)
+        assert sorted({i for w in est.waves for i in w}) == list(range(len(LONG)))
+        assert last is None or len(est.waves) >= last
+        last = len(est.waves)
+    assert last > 1
+    with pytest.raises(MemoryBudgetError, match=r"a 32768-token sample needs at least [\d.]+ GB beside the model .* budget leaves 1\.0 GB"):
+        estimate(shape, "bfloat16", 32768, LONG, 0, budget=1 * GB)
+
+
+def test_a_job_whose_budget_fits_no_variant_stops_before_any_work(tiny_dir, tmp_path):
+    from kvlab.evaluate import run_job
+    from kvlab.methods import build
+
+    run = {"methods": build({"full": {"kind": "full"}, "kivi2": METHODS["kivi2"]}), "budgets": [0.5],
+           "question_modes": ["agnostic"], "max_new_tokens": 4, "noise_floor_samples": 0, "dtype": "float32",
+           "device": "cpu", "threads": 1, "memory": {"budget_gb": 0.01}}
+    out = tmp_path / "job.parquet"
+    with pytest.raises(MemoryBudgetError, match=r"memory budget 0\.0 GB \(\d+\.\d GB of it the loaded model\)"):
+        run_job(tiny_dir, "niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, 512, run, out)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no checkpoint
+
+
+def test_the_cli_sizes_the_article_models(capsys):
+    assert main(["--model", "llama3.1-8b", "--context", "32768", "--preset", "long", "--device-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "weights        16.06 GB" in out and ": fits, in " in out
+    assert main(["--model", "llama3.1-8b", "--context", "131072", "--preset", "long", "--device-gb", "24"]) == 1
+    assert "does not fit" in capsys.readouterr().out

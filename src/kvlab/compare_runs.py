@@ -4,7 +4,8 @@
 
 Every `results/**/*.parquet` of one must be in the other with equal rows on every column but wall-clock ones
 (`*_s`, `speedup*`, `*_per_s`), `decode_batch` (rows decoded together: it grows with the methods a run
-has) and `waves` (how many waves the job's memory budget split them into). Rows of an `--added-method` (a method only the new run has) are left out of the new run's files first.
+has) and `waves` (how many waves the job's memory budget split them into). Rows of an `--added-method` (a method
+only the new run has) are left out of the new run's files first.
 Prints one line per file; exits 1 when any file differs or is missing."""
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kvlab import resume
+from kvlab import memory, resume
 from kvlab.engine import evaluate_samples
 from kvlab.hardware import device_name, keep_freed_memory, other_dtype
 from kvlab.io import write_parquet
@@ -209,11 +209,18 @@ def run_job(
     log.info("%s: %d samples × %d variants × %d modes, %s; answers capped at %d tokens", task, first, len(grid),
              len(run["question_modes"]), rounds, cap)
     # the model in the floor's dtype (fp32 beside bf16: twice the weights), held only while a batch has floor samples
-    other, floor_dtype = None, None
+    other, floor_dtype, floor_skipped = None, None, None
+    longest = max(s.prompt.tokens for s in samples)
+    if run.get("dtype_floor_samples", 0) and longest > run.get("dtype_floor_max_tokens", longest):
+        floor_skipped = f"prompts of {longest} tokens, above dtype_floor.max_context_tokens {run['dtype_floor_max_tokens']}"
+        log.info("dtype noise floor: skipped (%s)", floor_skipped)
+        run = {**run, "dtype_floor_samples": 0}
     if run.get("dtype_floor_samples", 0):
         if (floor_dtype := other_dtype(run["dtype"], run["device"])) is None:
             log.info("dtype noise floor: none measured (%s is the only dtype that runs in hardware here)", run["dtype"])
-    key = resume.job_key(task, task_spec, context_tokens, run, card)
+    at_once = samples_at_once(context_tokens or longest)  # 0: natural lengths
+    waves = memory.job_waves(model, run, grid, longest, cap, floor_dtype is not None, at_once)  # before any work
+    key = resume.job_key(task, task_spec, context_tokens, {k: v for k, v in run.items() if k != "memory"}, card)
     state = resume.load(out_path, key) or {"rows": [], "round": 0, "next": 0, "end": 0, "before": 0, "round_s": 0.0,
                                            "elapsed": 0.0, "still": None}
     rows, still, round_, done, end = state["rows"], state["still"], state["round"], state["next"], state["end"]
@@ -222,7 +229,6 @@ def run_job(
     active = grid if still is None else [v for v in grid if v.kind == "full" or (v.method, v.budget) in still]
     t0 = time.perf_counter() - state["elapsed"]
     stopped_by = "max_samples"  # unless no cell is left open ("decided") or the time limit ends it ("time")
-    at_once = samples_at_once(context_tokens or max(s.prompt.tokens for s in samples))  # 0: natural lengths
     with tqdm(total=len(samples), initial=done, desc=f"{card['name']}/{task}/{context_tokens}", unit="sample",
               mininterval=0) as bar:
         while done < len(samples):
@@ -263,7 +269,7 @@ def run_job(
                     found = evaluate_samples(model, tokenizer, chunk, active, run["question_modes"], cap,
                                              noise_samples=noise_samples(run, start, len(samples)),
                                              other=other if in_dtype else None, other_samples=in_dtype, open_modes=still,
-                                             on_rows=finished)
+                                             on_rows=finished, waves=waves)
                 draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
                 rows.extend({**r, "draw": draw[r["sample_id"]], "round": round_} for r in found)
                 done = start + len(chunk)
@@ -311,6 +317,7 @@ def run_job(
             frame.loc[dense, "prefix_tokens"] if "prefix_tokens" in frame else [None] * int(dense.sum()))  # the prompt's uncompressed prefix
     ]
     frame["device"] = device_name(run["device"])
+    frame["dtype_floor_skipped"] = floor_skipped  # why this job measured no dtype floor though its task lists it
     log.info("done in %.1f s: %d rows; %s", time.perf_counter() - t0, len(frame), summary(frame))
     write_parquet(frame, out_path)
     resume.clear(out_path)

@@ -26,6 +26,7 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
     floor = config["dtype_floor"]  # only its tasks' jobs get the key: listing a task reruns that task's jobs alone
     if floor["samples"] and task in floor["tasks"]:
         run["dtype_floor_samples"] = floor["samples"]
+        run["dtype_floor_max_tokens"] = floor["max_context_tokens"]
     if task is not None:
         seq, decision = config["sequential"], config["decision"]
         run["sequential"] = {
@@ -40,12 +41,13 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
 
 
 def run_settings(smk) -> dict:
-    """A measuring job's `run` dict: the rule's params, its threads, `dtype: auto` resolved on the machine that
+    """A measuring job's `run` dict: the rule's params, its threads and memory budget (kvlab.memory; the same rows
+    under any budget, so changing it reruns nothing), `dtype: auto` resolved on the machine that
     runs the job (kvlab.hardware.compute_dtype), and methods with calibrated values filled in from the job's
     calibration input (when it has one)."""
     from kvlab.hardware import compute_dtype
 
-    run = dict(smk.params.run, threads=smk.threads)
+    run = dict(smk.params.run, threads=smk.threads, memory=smk.config.get("memory", {}))  # not a param: any budget
     run["dtype"] = compute_dtype(run["dtype"], run["device"])
     calibration = list(smk.input.get("calibration", []))
     if calibration:

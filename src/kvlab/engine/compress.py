@@ -105,7 +105,7 @@ def compress(model, base: Prefilled, variant: Variant) -> DynamicCache:
                 ratio["region"] = press.compression_ratio
                 press.compression_ratio = 1.0 - region_keep(1.0 - ratio["region"], base.length, base.prefix)
             module.rotary_emb = rotary  # as kvpress's hooks set it (KeyRerotationPress reads it)
-            cap = base.captures[idx]
+            cap = base.capture(idx)
             layer = cache.layers[idx]
             kwargs = {
                 "hidden_states": cap.hidden_states,

@@ -69,7 +69,8 @@ class KVCache(DynamicCache):
 
 @dataclass
 class Prefilled:
-    """A prefilled prompt prefix: its cache, per-layer captures and length, and `shared`: what methods derive
+    """A prefilled prompt prefix: its cache, per-layer captures (a continuation's: of its own tokens; read them with
+    `capture`) and length, and `shared`: what methods derive
     from the prefill alone, computed once for every variant compressed from it (e.g. H2O's received attention,
     the same at every budget)."""
 
@@ -82,6 +83,13 @@ class Prefilled:
     hidden: torch.Tensor | None = None  # (length, hidden): the last layer's output at every position, final norm applied
     parent: "Prefilled | None" = None  # the prefill this one continues (the context, for a question-aware prefill)
     prefix: int = 0  # leading positions no compression evicts (Prompt.prefix); budgets count the positions after them
+
+    def capture(self, idx: int) -> LayerCapture:
+        """Layer `idx`'s captured inputs at every position. A continuation holds only its own tokens' (`captures`)
+        and joins them to its parent's at each read: one copy of a long context's captures is held, not two (issue 53:
+        at 32K, 8.6 GB each for Llama-3.1-8B in bf16); the joined layer is freed once its reader lets go."""
+        own = self.captures[idx]
+        return own if self.parent is None else self.parent.capture(idx).extend(own)
 
 
 @torch.no_grad()
@@ -96,8 +104,7 @@ def prefill(model, ids: list[int], past: Prefilled | None = None) -> Prefilled:
     positions = torch.arange(start, start + len(ids), device=device).unsqueeze(0)
     with capture(model, store):
         hidden = model.model(input_ids=x, past_key_values=cache, position_ids=positions, use_cache=True).last_hidden_state[0]
-    if past:
-        store = [a.extend(b) for a, b in zip(past.captures, store)]
+    if past:  # a continuation keeps its own tokens' captures: `Prefilled.capture` joins them to its parent's per read
         hidden = torch.cat([past.hidden, hidden])
     return Prefilled(cache, store, start + len(ids), ids=(past.ids if past else []) + list(ids),
                      span=past.span if past else None, hidden=hidden, parent=past, prefix=past.prefix if past else 0)

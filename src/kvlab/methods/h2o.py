@@ -42,7 +42,7 @@ class H2O(MethodKind):
             for idx, layer in enumerate(cache.layers):
                 if sliding[idx]:
                     continue
-                module, cap = modules[idx], base.captures[idx]
+                module, cap = modules[idx], base.capture(idx)
                 t = layer.keys.shape[-2]
                 # as kvpress counts kept tokens; a prompt's uncompressed prefix kept beside them, scored +inf
                 capacity = max(1, int(t * region_keep(variant.budget, t, base.prefix)))

@@ -89,7 +89,7 @@ class MiKV(MethodKind):
                 if sliding[idx]:
                     continue
                 module.rotary_emb = rotary  # as kvpress's hooks set it
-                cap, layer = base.captures[idx], cache.layers[idx]
+                cap, layer = base.capture(idx), cache.layers[idx]
                 kwargs = {"hidden_states": cap.hidden_states, "position_embeddings": (cap.cos, cap.sin),
                           "past_key_values": cache, "cache_position": positions}
                 scores = press.score(module, cap.hidden_states, layer.keys, layer.values, cap.attentions, kwargs)

@@ -93,7 +93,7 @@ class Quant(MethodKind):
 
     def apply(self, model, cache, base, variant, sliding: list[bool], services: Services) -> None:
         """Every full-attention layer of `cache` (after any eviction) in its quantized form; pre-RoPE key codecs
-        take the RoPE tables of the prefill positions from `base.captures`."""
+        take the RoPE tables of the prefill positions from its captures (`base.capture`)."""
         from kvlab.kernels import kvcache
 
         for idx, layer in enumerate(cache.layers):
@@ -103,7 +103,8 @@ class Quant(MethodKind):
             spec = self.scheme.layer_spec(idx, keys.shape[1], keys.shape[-1])
             cos = sin = None
             if spec.rope:
-                cos, sin = base.captures[idx].cos, base.captures[idx].sin
+                cap = base.capture(idx)
+                cos, sin = cap.cos, cap.sin
                 if cos.shape[1] != keys.shape[-2]:
                     raise ValueError("pre-RoPE key quantization needs every prefill position; it cannot follow eviction")
             cache.layers[idx] = kvcache.layer_from_dense(keys, values, spec, cos, sin)
