@@ -1,7 +1,7 @@
 """An engine switch on and off in one process, alternating, so this machine's drift between processes does not enter:
-one evaluate job's first samples, timed `--rounds` times each way. Switches (constants of kvlab.engine.decode):
-  buckets  teacher forcing in length buckets (`length_buckets`, BUCKET_TOKENS) against one padded batch;
-  drafts   decoding with drafts looked up in the prompt (`_drafted`, DRAFT_TOKENS) against one-token steps.
+one evaluate job's first samples, timed `--rounds` times each way. Switches (fields of the CPU's kvlab.engine.tuning):
+  buckets  teacher forcing in length buckets (`length_buckets`, bucket_tokens) against one padded batch;
+  drafts   decoding with drafts looked up in the prompt (`_drafted`, draft_tokens) against one-token steps.
 Rows: results/bench/{switch}_ab.parquet (seconds per run, answers that differ between the two ways, dtype, CPU).
 
     python benchmarks/engine_ab.py --switch drafts --task variable_tracking --ctx 1024 --samples 4 --dtype bfloat16
@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
 from kvlab.bench_eval import job_settings
-from kvlab.engine import decode, evaluate_samples
+from kvlab.engine import evaluate_samples, tuning
 from kvlab.evaluate import load_model, noise_samples
 from kvlab.hardware import cpu_kind, device_name
 from kvlab.io import write_parquet
@@ -28,9 +29,9 @@ from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
-SWITCHES = {  # switch -> (constant, {way: its value}), the way it is off first
-    "buckets": ("BUCKET_TOKENS", {"one batch": 10 ** 9, "length buckets": decode.BUCKET_TOKENS}),  # 10**9: all rows in one
-    "drafts": ("DRAFT_TOKENS", {"one-token steps": 0, "drafts": decode.DRAFT_TOKENS}),
+SWITCHES = {  # switch -> (tuning field, {way: its value}), the way it is off first
+    "buckets": ("bucket_tokens", {"one batch": 10 ** 9, "length buckets": tuning.CPU.bucket_tokens}),  # 10**9: all rows in one
+    "drafts": ("draft_tokens", {"one-token steps": 0, "drafts": tuning.CPU.draft_tokens}),
 }
 
 
@@ -64,11 +65,11 @@ def main() -> None:
     out, answers = [], {}
     for round_ in range(args.rounds):
         for way, value in ways.items():
-            setattr(decode, name, value)
+            tuning.BY_DEVICE["cpu"] = replace(tuning.CPU, **{name: value})
             t0 = time.perf_counter()
             answers[way] = [row["prediction"] for row in job()]
             out.append({"switch": args.switch, "way": way, "round": round_, "wall_s": time.perf_counter() - t0})
-    setattr(decode, name, list(ways.values())[-1])
+    tuning.BY_DEVICE["cpu"] = tuning.CPU
     differ = sum(a != b for a, b in zip(*answers.values()))
     rows = pd.DataFrame(out).assign(task=args.task, preset=args.preset or "default", context_tokens=args.ctx, samples=len(samples), noise_samples=noise,
                                     dtype=args.dtype, rows=len(next(iter(answers.values()))), answers_differ=differ,

@@ -116,7 +116,7 @@ def test_teacher_forcing_streams_block_sparse_rows_as_steps(tiny):
     """A known path fed in one streamed pass reads, at each position, the blocks its own decode step would: the
     log-probabilities equal those of feeding it one token at a time."""
     from kvlab.engine import stepwise, teacher_forced
-    from kvlab.engine.decode import streams
+    from kvlab.engine.teacher import streams
 
     model, tokenizer = tiny
     p = needle_prompt(tokenizer)

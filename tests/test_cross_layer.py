@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvlab.engine import Batch, cache_stats, compress, prefill, teacher_forced
-from kvlab.engine.decode import stepwise, streams
+from kvlab.engine.teacher import stepwise, streams
 from kvlab.kernels.cross_layer import SharedLayer
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant

@@ -1,5 +1,6 @@
 """The engine compresses a copy of a shared prefill; it must equal kvpress compressing inside its hooks."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -25,6 +26,13 @@ PRESSES = [
 def sample(tiny):
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
     return GENERATORS["niah"]("niah_single", spec, tiny[1], 700)[0]
+
+
+def tuned(monkeypatch, model, **fields):
+    """Set some of the engine's tuning (kvlab.engine.tuning) on `model`'s device for this test."""
+    from kvlab.engine import tuning
+
+    monkeypatch.setitem(tuning.BY_DEVICE, model.device.type, replace(tuning.tuned(model.device), **fields))
 
 
 def hook_compressed(model, press, ids):
@@ -819,7 +827,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
 def test_stepped_noise_is_the_noise_floor_of_steps_already_taken():
     """A verified turn's noise columns from its own decoding's logits: the KL against the one pass as noise_floor
     computes it, and the answer change where the one pass's choice leaves the steps' (which are the path)."""
-    from kvlab.engine.decode import _against, stepped_noise
+    from kvlab.engine.floors import _against, stepped_noise
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 11, generator=g)
@@ -890,7 +898,7 @@ def test_stepped_prompts_in_one_batch_equal_each_alone(tiny, sharp):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_greedy_is_argmax_ties_included(dtype):
     """The engine's greedy choice is argmax's: the first maximum where several positions tie."""
-    from kvlab.engine.decode import greedy
+    from kvlab.engine.greedy import greedy
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randint(0, 3, (4, 9, 1000), generator=g).to(dtype)  # many ties at the maximum
@@ -982,12 +990,11 @@ def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monk
     the tail instead, and where rows cannot stream in one pass they are fed one token per pass: the same answers.
     With `buckets`, every dense length is teacher-forced in a batch of its own (`length_buckets`), each row resuming
     from its own batch."""
-    from kvlab.engine import decode, verify
-    from kvlab.engine.decode import decode_diverged
+    from kvlab.engine import verify
+    from kvlab.engine.verify import decode_diverged
 
     if buckets:
-        monkeypatch.setattr(decode, "PASS_PAIRS", 0)
-        monkeypatch.setattr(decode, "BUCKET_TOKENS", 1)
+        tuned(monkeypatch, sharp, pass_pairs=0, bucket_tokens=1)
     methods = {name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}
     resumed, streamed = 0, 0
     for seed in (1, 2, 3):
@@ -1070,7 +1077,7 @@ def test_drafted_decoding_gives_the_stepwise_answers_in_fewer_passes(tiny, sharp
     absent, each take back what they reject (`Batch.reject`) and answer as one-token steps do; right drafts save
     passes. Rows of quantized caches and kept logits get no drafts."""
     from kvlab.engine import decode_groups
-    from kvlab.engine.decode import Group, decode_references
+    from kvlab.engine.greedy import Group, decode_references
 
     tokenizer, groups, bases = tiny[1], [], []
     for seed, ctx in ((1, 500), (2, 620), (3, 560)):
@@ -1188,7 +1195,7 @@ def test_length_buckets_are_the_cheapest_contiguous_split():
     import itertools
     import random
 
-    from kvlab.engine.decode import length_buckets
+    from kvlab.engine.teacher import length_buckets
 
     def cost(batches, held, fed, pass_pairs):
         return sum(len(b) * fed * (max(held[i] for i in b) + fed) + pass_pairs for b in batches)
@@ -1213,8 +1220,7 @@ def test_length_buckets_are_the_cheapest_contiguous_split():
 def test_teacher_forcing_in_length_buckets_equals_one_batch(tiny, sharp, monkeypatch):
     """Dense rows teacher-forced in batches of their own lengths give the KL, NLL, reference log-probabilities and
     greedy choices of one padded batch (fp32: the padding was masked, so only the kernel's summation order moves)."""
-    from kvlab.engine import decode
-    from kvlab.engine.decode import forced_divergence
+    from kvlab.engine.teacher import forced_divergence, stepwise
 
     (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 5}, tiny[1], 600)
     base = prefill(sharp, s.prompt.context)
@@ -1222,13 +1228,12 @@ def test_teacher_forcing_in_length_buckets_equals_one_batch(tiny, sharp, monkeyp
     caches = [compress(sharp, base, v) for v in grid]
     tail, path = s.prompt.question + s.prompt.suffix, s.prompt.question[:9]
     one_batch, passes = [], []
-    monkeypatch.setattr(decode, "BUCKET_TOKENS", 10 ** 9)  # no batch feeds that many: all rows in one
+    tuned(monkeypatch, sharp, bucket_tokens=10 ** 9)  # no batch feeds that many: all rows in one
     one = forced_divergence(sharp, caches, tail, path, base.length, 0, resume=one_batch)
-    monkeypatch.setattr(decode, "PASS_PAIRS", 0)
-    monkeypatch.setattr(decode, "BUCKET_TOKENS", 1)
+    tuned(monkeypatch, sharp, pass_pairs=0, bucket_tokens=1)
     split = forced_divergence(sharp, caches, tail, path, base.length, 0, resume=passes)
     assert len(one_batch) == 1 and len(passes) == len({round(sum(x.keys.shape[-2] for x in c.layers)) for c in caches
-                                                            if not decode.stepwise(c)}) > 2
+                                                            if not stepwise(c)}) > 2
     assert sorted(i for group, _ in passes for i in group) == sorted(one_batch[0][0])
     for a, b in zip(one[0], split[0]):
         assert a.keys() == b.keys()

@@ -12,21 +12,24 @@ layer and every full-attention layer gets its own additive mask (a forward pre-h
 hides the padding and keeps the tail causal. Masked entries get exactly zero weight, so a row decodes
 as it would alone (tests/test_engine.py checks the predictions against one-variant-at-a-time runs).
 
-Modules, each using only those listed below it: `sample` (rows per question mode and turn), `decode` (greedy
-decoding, teacher forcing, divergence), `batch` (Rows and Batch), `compress` (a compressed copy, cache stats),
-`prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks); below them
-`kvlab.models.structure` (layers, sliding layers, projections, stop ids), which method kinds use too. The engine
-calls the kinds through `kvlab.methods.base` (MethodKind, Variant) and lends them its services (`compress.SERVICES`);
-no kind imports the engine (the import contract in pyproject.toml).
+Modules, each using only those listed below it: `sample` (rows per question mode and turn), `verify` (verified
+decoding: one teacher-forced pass along the reference's answer, only diverged rows decoded), `floors` (the noise
+floors), `teacher` (teacher forcing, length buckets, KL and NLL), `greedy` (greedy decoding, groups of prompts as one
+batch, drafts), `batch` (Batch), `layers` (a batch's Rows and Growing layers), `compress` (a compressed copy, cache
+stats), `prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks); beside
+them `drafts` (prompt lookup) and `tuning` (the speed tuning per device: how work is batched and buffered, never what
+is computed); below them `kvlab.models.structure` (layers, sliding layers, projections, stop ids), which method kinds
+use too. The engine calls the kinds through `kvlab.methods.base` (MethodKind, Variant) and lends them its services
+(`compress.SERVICES`); no kind imports the engine (the import contract in pyproject.toml).
 """
 
 from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
 from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
-from kvlab.engine.decode import (
-    Diverged, Verified, decode_groups, decode_references, divergence, dtype_floor, first_divergence, forced_divergence, greedy_decode,
-    noise_floor, stepped, stepwise, teacher_forced, verified_decode, verify,
-)
+from kvlab.engine.floors import dtype_floor, noise_floor, stepped
+from kvlab.engine.greedy import decode_groups, decode_references, greedy_decode
+from kvlab.engine.teacher import divergence, first_divergence, forced_divergence, stepwise, teacher_forced
+from kvlab.engine.verify import Diverged, Verified, verified_decode, verify
 from kvlab.models.structure import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
 from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
 from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_samples

@@ -3,7 +3,7 @@
 Answers to long-context tasks mostly copy spans of their prompt (a needle's value, a chain of variable names), so
 the tokens that followed the latest earlier occurrence of a row's last few tokens are a good guess at what it
 decodes next. A decode pass feeds a row its next token and such a guess together; greedy decoding keeps the guessed
-tokens its own choices confirm (kvlab.engine.decode). On a CPU a one-token step at a few rows is bound by reading
+tokens its own choices confirm (kvlab.engine.greedy). On a CPU a one-token step at a few rows is bound by reading
 the weights, so a pass of several tokens per row costs about what one step costs, and every confirmed token saves
 a step. transformers has the same idea (`prompt_lookup_num_tokens` of `generate`) inside its own generation loop,
 which knows neither our batched caches nor rows that each drop a different number of tokens; this is ours.

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from kvlab.engine.compress import cache_stats, compress
-from kvlab.engine.decode import (
-    Verified, decode_diverged, decode_references, dtype_floor, forced_divergence, greedy_decode, noise_floor, stepped_noise,
-    verify,
-)
+from kvlab.engine.floors import dtype_floor, noise_floor, stepped_noise
+from kvlab.engine.greedy import decode_references, greedy_decode
+from kvlab.engine.teacher import forced_divergence
+from kvlab.engine.verify import Verified, decode_diverged, verify
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
@@ -97,16 +97,16 @@ def evaluate_samples(
     The full cache's answers of every sample, compression and turn are decoded first, as one batch
     (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache,
     and `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows
-    that leave it: those of every sample are decoded together at the end, one batch per kind (`decode.decode_diverged`;
+    that leave it: those of every sample are decoded together at the end, one batch per kind (`verify.decode_diverged`;
     at most DIVERGED_BYTES of their caches wait: beyond, the samples so far are decoded then). With `kl`, KL and NLL come from that pass: along the sample's
     reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
     from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
-    (`decode.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample):
+    (`floors.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample):
     a verified turn's from the one-token steps its full answer was decoded with (kept by `decode_references`, the
     reading the noise floor would step again), the others' (a reference text's path) stepped together as one batch,
     their seconds split evenly among them. With `other` (the model loaded in another
     compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
-    (`decode.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
+    (`floors.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
     None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
     for the compressions that give one of its modes (it still gets every row those compressions give). `on_rows`, if
     given, is called with the number of rows each sample adds once its teacher-forced passes are done (its
