@@ -55,8 +55,8 @@ clean:
 	rm -rf results logs .snakemake
 
 # The GPU device check (gpu/check.sh, README "GPU check"). gpu-wheels: the wheels it installs there (Python 3.12,
-# x86-64, no index), the pyproject.toml pins its CUDA tests need whose versions the machine lacks.
-GPU_WHEELS := $(shell grep -oE '"(transformers|tokenizers)==[^"]+"' pyproject.toml | tr -d '"')
+# x86-64, no index), the pyproject.toml pins its CUDA tests and memory step need whose versions the machine lacks.
+GPU_WHEELS := $(shell grep -oE '"(transformers|tokenizers|kvpress)==[^"]+"' pyproject.toml | tr -d '"')
 gpu-wheels: $(BIN)/python
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

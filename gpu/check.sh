@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU device check (README "GPU check"): on a bare GPU machine with torch and triton, install kvlab and the
-# wheels in gpu/wheels/ (make gpu-wheels), then run the CUDA tests, the decode-kernel benchmark and one end-to-end
-# decode point, and print one screen of results against the targets. Each stage has a time limit (<= 8 min in
+# wheels in gpu/wheels/ (make gpu-wheels), then run the CUDA tests, the decode-kernel benchmark, one end-to-end
+# decode point and one 8K evaluation sample's peak memory beside kvlab.memory's prediction, and print one screen of
+# results against the targets. Each stage has a time limit (<= 8 min in
 # all); a failed stage does not stop the next. --dry-run: no GPU, no install; the CUDA tests are only collected,
 # the benchmark and the decode point run on the CPU at toy sizes, and the summary reads their rows.
 set -uo pipefail
@@ -18,7 +19,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 mkdir -p "$out" && out=$(cd "$out" && pwd) || exit 2
-rm -f "$out/kernels.parquet" "$out/e2e.parquet"  # the summary reads only this run's rows
+rm -f "$out/kernels.parquet" "$out/e2e.parquet" "$out/memory.parquet"  # the summary reads only this run's rows
 cd "$(dirname "$0")/.." || exit 2
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -29,12 +30,14 @@ if [ $dry = 1 ]; then
   tests_cmd=("$py" -m pytest -q -p no:cacheprovider --collect-only "${tests[@]}")
   bench_args=(--device cpu --dtype float32 --contexts 128 --batches 1 --repeats 1)
   e2e_args=(--device cpu --dtype float32 --context 64 --batch 2 --new-tokens 4 --layers 2)
+  mem_args=(--device cpu --dtype float32 --context 384 --layers 2)
   at=(--context 128 --batch 1)
 else
   "$py" -c 'import xdist' 2>/dev/null && workers=(-n 8) || workers=()  # pytest-xdist: kernels compiled in parallel
   tests_cmd=("$py" -m pytest -q -p no:cacheprovider "${workers[@]}" "${tests[@]}")
   bench_args=(--contexts 32768 --batches 1,8)
   e2e_args=(--context 32768 --batch 8)
+  mem_args=(--context 8192)
   at=(--context 32768 --batch 8)
 fi
 
@@ -72,8 +75,10 @@ fi
 stage tests 150 "${tests_cmd[@]}"
 stage kernels 120 "$py" -m kvlab.kernel_bench --shape 8,32,128 --shape 2,14,64 "${bench_args[@]}" --out "$out/kernels.parquet"
 stage e2e 120 "$py" -m kvlab.gpu_check e2e "${e2e_args[@]}" --out "$out/e2e.parquet"
+stage memory 180 "$py" -m kvlab.gpu_check memory "${mem_args[@]}" --out "$out/memory.parquet"
 echo "== summary"
-timeout 30 "$py" -m kvlab.gpu_check summary --kernels "$out/kernels.parquet" --e2e "$out/e2e.parquet" "${at[@]}" | tee "$out/summary.txt" || failed+=(summary)
+timeout 30 "$py" -m kvlab.gpu_check summary --kernels "$out/kernels.parquet" --e2e "$out/e2e.parquet" \
+  --memory "$out/memory.parquet" "${at[@]}" | tee "$out/summary.txt" || failed+=(summary)
 if [ ${#failed[@]} -gt 0 ]; then
   echo "stages failed: ${failed[*]} (logs in $out)"
   exit 1

@@ -77,7 +77,7 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    stages = ["== install", "== tests", "== kernels", "== e2e", "== summary"]
+    stages = ["== install", "== tests", "== kernels", "== e2e", "== memory", "== summary"]
     assert [out.index(s) for s in stages] == sorted(out.index(s) for s in stages)
     assert "--collect-only" in out and "tests collected" in out
     kernels, e2e = pd.read_parquet(tmp_path / "kernels.parquet"), pd.read_parquet(tmp_path / "e2e.parquet")
@@ -85,6 +85,9 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
     assert list(e2e["cache"]) == ["dense", "int4"] and e2e["graph_step_ms"].isna().all()  # no CUDA graph on the CPU
     assert "Qwen2.5-0.5B config, random weights" in out and "targets pass" in out
     assert "FAIL  end to end" in out  # no graph-step rows without CUDA
+    (mem,) = pd.read_parquet(tmp_path / "memory.parquet").itertuples()
+    assert mem.rows == 2 * mem.variants == 14 and mem.waves >= 1 and mem.predicted_gb > 0
+    assert f"memory: {mem.model}, one {mem.context_tokens}-token sample, 7 variants" in out
 
 
 @pytest.mark.slow

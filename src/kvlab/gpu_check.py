@@ -4,6 +4,8 @@
   real weights are not on the device machine; decode time does not depend on their values) prefills a random
   context once; the dense cache and its KIVI INT4 compression are each decoded as a batch of copies, eagerly and
   as one step replayed from a CUDA graph (``benchmark.graph_step``). One Parquet row per cache.
+* ``memory``: one evaluation sample at 8K (niah_single, the `long` preset's methods) on the same random model, in the
+  waves kvlab.memory plans: the peak allocated beside the memory model's prediction. One Parquet row.
 * ``summary``: one screen of the decode-kernel rows (``python -m kvlab.kernel_bench``) and the end-to-end rows
   against the targets of issue 23, PASS or FAIL each.
 """
@@ -77,6 +79,56 @@ def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str, laye
     return pd.DataFrame(rows)
 
 
+# The `long` preset's methods (config.yaml), every parameter given (no config or schema on the device machine); FP8
+# takes dynamic scales in place of calibrated ones (the same bytes: memory does not depend on the scales' values).
+LONG_METHODS = {
+    "full": {"kind": "full"},
+    "fp8": {"kind": "quant", "scheme": "fp8", "scales": "dynamic"},
+    **{f"kivi{b}": {"kind": "quant", **KIVI4, "bits": b} for b in (4, 2)},
+    "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 32, "kernel_size": 5}},
+    "pyramidkv": {"kind": "kvpress", "press": "PyramidKVPress", "kwargs": {"window_size": 32, "kernel_size": 5}},
+    "streaming_llm": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": 4}},
+}
+
+
+def memory(context: int, device: str, dtype: str, layers: int, share: float) -> pd.DataFrame:
+    """One evaluation sample (niah_single, depth 0.5, both question modes, the `long` methods at 25%) on a model with
+    Qwen2.5-0.5B's configuration and random weights, its variants in the waves kvlab.memory plans under `share` of the
+    free device memory: the peak the engine allocated over the loaded model (torch.cuda.max_memory_allocated; on a
+    CPU, peak RSS is not tracked here: benchmarks/long_memory.py) beside the memory model's prediction. One row."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvlab.engine import ATTENTION, evaluate_samples
+    from kvlab.hardware import device_name
+    from kvlab.memory import GB, job_waves
+    from kvlab.methods import build, variants
+    from kvlab.models.tiny import byte_level_tokenizer
+    from kvlab.tasks import GENERATORS
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("qwen2", **{**QWEN2_5_0_5B, "num_hidden_layers": layers})
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation=ATTENTION)
+    model.eval().requires_grad_(False)
+    tokenizer = byte_level_tokenizer()  # one token per byte: a context of `context` tokens whatever the weights
+    (sample,) = GENERATORS["niah"]("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, context)
+    grid = variants(build(LONG_METHODS), [0.25])
+    run = {"memory": {"share": share}, "device": device, "dtype": dtype, "question_modes": ["agnostic", "aware"]}
+    loaded = torch.cuda.memory_allocated() if device == "cuda" else 0
+    waves = job_waves(model, run, grid, sample.prompt.tokens, 16, floor=False)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    rows = evaluate_samples(model, tokenizer, [sample], grid, run["question_modes"], 16, noise_samples=1, waves=waves)
+    wall = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() - loaded if device == "cuda" else math.nan
+    return pd.DataFrame([{
+        "model": E2E_MODEL if layers == QWEN2_5_0_5B["num_hidden_layers"] else f"{E2E_MODEL}, {layers} layers",
+        "context_tokens": sample.prompt.tokens, "variants": len(grid), "waves": rows[0]["waves"], "rows": len(rows),
+        "peak_over_loaded_gb": peak / GB, "predicted_gb": waves.planned.peak / GB, "wall_s": wall, "dtype": dtype,
+        "device": device_name(device)}])
+
+
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -143,10 +195,20 @@ def _read(path: Path) -> pd.DataFrame:
     return pd.read_parquet(path) if path.exists() else pd.DataFrame()
 
 
-def summary(kernels_path: Path, e2e_path: Path, context: int, batch: int, gb_per_s: float) -> str:
-    """One screen: the kernel rows at `context` x `batch` per head shape, the end-to-end rows, the targets."""
+def summary(kernels_path: Path, e2e_path: Path, context: int, batch: int, gb_per_s: float,
+            memory_path: Path | None = None) -> str:
+    """One screen: the kernel rows at `context` x `batch` per head shape, the end-to-end rows, the memory row, the
+    targets."""
     kernels, e2e_rows = _read(kernels_path), _read(e2e_path)
     lines = []
+    if memory_path is not None:
+        mem = _read(memory_path)
+        if mem.empty:
+            lines.append(f"memory: no row ({memory_path} missing)")
+        for r in mem.itertuples():
+            lines.append(f"memory: {r.model}, one {r.context_tokens}-token sample, {r.variants} variants in {r.waves} "
+                         f"wave(s) ({r.dtype}, {r.device}): peak {r.peak_over_loaded_gb:.2f} GB allocated over the loaded "
+                         f"model, kvlab.memory predicted {r.predicted_gb:.2f} GB ({r.peak_over_loaded_gb / r.predicted_gb:.2f}x)")
     if kernels.empty:
         lines.append(f"decode kernels: no rows ({kernels_path} missing)")
     else:
@@ -187,21 +249,30 @@ def main(argv: list[str] | None = None) -> None:
     e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     e.add_argument("--layers", type=int, default=QWEN2_5_0_5B["num_hidden_layers"], help="fewer for a quick CPU run")
     e.add_argument("--out", type=Path, required=True)
+    m = sub.add_parser("memory", help="one evaluation sample's peak memory beside the memory model's, as Parquet")
+    m.add_argument("--context", type=int, default=8192)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    m.add_argument("--layers", type=int, default=QWEN2_5_0_5B["num_hidden_layers"], help="fewer for a quick CPU run")
+    m.add_argument("--share", type=float, default=0.8, help="the share of free device memory the job may hold")
+    m.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("summary", help="one screen of results against the targets")
     s.add_argument("--kernels", type=Path, required=True, help="python -m kvlab.kernel_bench's Parquet")
     s.add_argument("--e2e", type=Path, required=True, help="the e2e step's Parquet")
     s.add_argument("--context", type=int, default=32768, help="the kernel rows the targets read")
     s.add_argument("--batch", type=int, default=8)
+    s.add_argument("--memory", type=Path, help="the memory step's Parquet")
     s.add_argument("--gb-per-s", type=float, default=H200_GB_PER_S, help="the device bandwidth (default: H200 nominal)")
     args = ap.parse_args(argv)
-    if args.step == "e2e":
+    if args.step in ("e2e", "memory"):
         if args.device == "cuda" and not torch.cuda.is_available():
             ap.error("--device cuda: torch sees no CUDA device (use --device cpu for a dry run)")
-        frame = e2e(args.context, args.batch, args.new_tokens, args.device, args.dtype, args.layers)
+        frame = (e2e(args.context, args.batch, args.new_tokens, args.device, args.dtype, args.layers) if args.step == "e2e"
+                 else memory(args.context, args.device, args.dtype, args.layers, args.share))
         frame.to_parquet(args.out, index=False)
         print(f"wrote {args.out}: {len(frame)} rows")
     else:
-        print(summary(args.kernels, args.e2e, args.context, args.batch, args.gb_per_s))
+        print(summary(args.kernels, args.e2e, args.context, args.batch, args.gb_per_s, args.memory))
 
 
 if __name__ == "__main__":
