@@ -343,14 +343,14 @@ def test_growing_layer_appends_in_place_as_concatenation_would():
     DynamicLayer's concatenation through growth past the room, dropped rows and a crop."""
     from transformers.cache_utils import DynamicLayer
 
-    from kvlab.engine.batch import Growing
+    from kvlab.engine.layers import Growing
 
     g = torch.Generator().manual_seed(3)
     rows = [torch.randn(1, 2, 5, 4, generator=g) for _ in range(3)]
     grown, plain = Growing(rows, [r + 1 for r in rows]), DynamicLayer()
     plain.update(torch.cat(rows), torch.cat(rows) + 1)
     storage = grown._keys.data_ptr()
-    for step in range(Growing.ROOM + 10):  # past the first room: it grows once
+    for step in range(grown.room + 10):  # past the first room: it grows once
         new = torch.randn(3, 2, 1 if step % 7 else 3, 4, generator=g)
         keys, values = grown.update(new, -new)
         plain.update(new, -new)

@@ -24,7 +24,8 @@ use too. The engine calls the kinds through `kvlab.methods.base` (MethodKind, Va
 """
 
 from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
-from kvlab.engine.batch import Batch, Rows, decode_path, host_free_step, masked_entries
+from kvlab.engine.batch import Batch, decode_path, host_free_step
+from kvlab.engine.layers import Rows, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.floors import dtype_floor, noise_floor, stepped
 from kvlab.engine.greedy import decode_groups, decode_references, greedy_decode
