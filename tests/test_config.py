@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from kvlab.config import ConfigError, dtype_floor_note, expand, load_schema, resolve
+from kvlab.overlay import select_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
@@ -128,6 +129,15 @@ def _merged(out, base, change, where):
             assert out[key] == base[key], f"{where}.{key}"
 
 
+def _whole(config, preset):
+    """`preset` with its own tasks (`replace: [tasks]`) made whole from the catalogue, as with_preset makes them."""
+    if "tasks" not in preset.get("replace", []):
+        return preset
+    whole = {"task_catalog": config["task_catalog"], "tasks": copy.deepcopy(preset["tasks"])}
+    select_tasks(whole, "test")
+    return {**preset, "tasks": whole["tasks"]}
+
+
 def _base(config, name):
     """The expanded config preset `name` lies over: the one it extends, or for default the top level alone."""
     if name == "default":
@@ -156,7 +166,7 @@ def test_a_preset_merges_mappings_key_by_key_and_replaces_lists(config):
 
 
 def _assert_laid_over(config, name):
-    preset = config["presets"][name] or {}
+    preset = _whole(config, config["presets"][name] or {})
     base, out = _base(config, name), expand(config, SCHEMA, name)
     assert out["preset"] == name and set(out) == set(base)
     for key in set(out) - {"preset", "methods"}:
@@ -242,6 +252,67 @@ def test_a_bad_overlay_is_one_line(config, preset, message):
     if "unknown key" in message:
         assert str(error.value).endswith("; and a preset's own: extends, replace, methods_add, methods_drop, methods_tasks")
 
+
+def test_a_preset_picks_catalogue_tasks_and_changes_only_what_it_gives(config):
+    """`tasks` names catalogue entries: each is the entry with the preset's keys laid over it (a changed key keeps the
+    catalogue's place, a new one follows: job params compare by their printed form); `from` picks an entry under
+    another name; an entry with `kind` is its own; a preset extending another changes what that one picked. The
+    catalogue itself is not part of the effective config."""
+    catalog = config["task_catalog"]
+    own = {"kind": "recency", "context_tokens": [512], "from_end_tokens": [64], "samples": 1}
+    config["presets"]["mine"] = {"tasks": {"niah_single": {"context_tokens": [8192], "max_samples": 40},
+                                           "needle_4k": {"from": "niah_single", "samples": 3}, "mine": own}}
+    config["presets"]["more"] = {"extends": "mine", "tasks": {"niah_single": {"samples": 5}}}
+    out = expand(config, SCHEMA, "mine")
+    assert "task_catalog" not in out and list(out["tasks"]) == [*config["tasks"], "needle_4k", "mine"]
+    mine, defaults = out["tasks"]["niah_single"], ["seed", "haystack", "keys", "values", "queries", "question_position"]
+    assert list(mine) == [*catalog["niah_single"], "max_samples", *defaults]
+    assert mine == {**out["tasks"]["needle_4k"], "context_tokens": [8192], "samples": catalog["niah_single"]["samples"],
+                    "max_samples": 40}
+    assert {k: out["tasks"]["needle_4k"][k] for k in catalog["niah_single"]} == {**catalog["niah_single"], "samples": 3}
+    assert {k: out["tasks"]["mine"][k] for k in own} == own
+    more = expand(config, SCHEMA, "more")["tasks"]["niah_single"]
+    assert more == {**mine, "samples": 5} and list(more) == list(mine)
+    assert expand(config, SCHEMA, "default")["tasks"]["niah_single"]["context_tokens"] == catalog["niah_single"]["context_tokens"]
+
+
+@pytest.mark.parametrize("tasks, message", [
+    ({"nope": {"samples": 2}}, "preset 'mine': key 'tasks.nope': no task 'nope' in task_catalog (niah_single, niah_prose, "),
+    ({"x": {"from": "nope"}}, "preset 'mine': key 'tasks.x.from': no task 'nope' in task_catalog (niah_single, niah_prose, "),
+])
+def test_an_unknown_catalogue_name_is_one_line_naming_the_preset_and_the_known_names(config, tasks, message):
+    config["presets"]["mine"] = {"replace": ["tasks"], "tasks": tasks}
+    with pytest.raises(ConfigError) as error:
+        resolve(config, SCHEMA)
+    text = str(error.value)
+    assert text.startswith(message) and "\n" not in text and all(name in text for name in config["task_catalog"])
+    assert text.endswith("; pick one by name (or by `from`), or give `kind` for a task of its own")
+
+
+def test_config_yaml_defines_each_task_once(config):
+    """Every task definition of config.yaml is written once: the catalogue's entries and the tasks of their own (with
+    `kind`) differ from each other, a pick restates no key of the entry it picks, every entry is picked somewhere,
+    and no preset writes a task that its pick of the catalogue would give."""
+    catalog = config["task_catalog"]
+    writes = [("tasks", config["tasks"])] + [(f"presets.{p}.tasks", (spec or {}).get("tasks", {}))
+                                             for p, spec in config["presets"].items()]
+    definitions = [("task_catalog", name, entry) for name, entry in catalog.items()]
+    picked = set()
+    for where, tasks in writes:
+        for name, entry in tasks.items():
+            if "kind" in entry:
+                definitions.append((where, name, entry))
+                continue
+            source = entry.get("from", name)
+            picked.add(source)
+            restated = [k for k, v in entry.items() if k != "from" and catalog[source].get(k) == v]
+            assert not restated, f"{where}.{name} restates {restated} of task_catalog.{source}"
+    for i, (where, name, entry) in enumerate(definitions):
+        for other_where, other, again in definitions[i + 1:]:
+            assert entry != again, f"{other_where}.{other} repeats {where}.{name}"
+    assert set(catalog) <= picked, f"catalogue entries no task picks: {sorted(set(catalog) - picked)}"
+    text = (ROOT / "config.yaml").read_text()
+    assert text.count(catalog["qa_mix"]["template"].encode("unicode_escape").decode()) == 1
 
 def edit(config, path, value):
     """Set (or delete) the value at `path`; a method or task only the study preset defines is first added to the
@@ -348,7 +419,7 @@ BAD = [
     (("methods", "cla2", "every"), 0, "config: key 'methods.cla2.every': 0 must be >= 1"),
     (("methods", "cla2", "press"), "SnapKVPress", "config: unknown key 'press' under 'methods.cla2'; allowed: every, kind, tasks"),
     (("models", "qwen2.5-0.5b", "source"), DELETE, "config: key 'models.qwen2.5-0.5b': missing 'source' (required); one of: pypi-gguf, hub, tiny"),
-    (("tasks", "recency", "kind"), DELETE, "config: key 'tasks.recency': missing 'kind' (required); one of: niah, recency"),
+    (("task_catalog", "recency", "kind"), DELETE, "config: key 'task_catalog.recency': missing 'kind' (required); one of: niah, recency"),
     (("models", "tiny-x"), {"source": "tiny", "heads": 4, "kv_heads": 3},
      "preset 'default': key 'models.tiny-x.kv_heads': 3 does not divide heads 4 (each KV head serves a whole group of query heads); pick a divisor of heads"),
     (("methods", "snapkv", "press"), "SnapPress", "preset 'default': key 'methods.snapkv.press': kvpress has no press 'SnapPress'; did you mean SnapKVPress?"),
@@ -371,7 +442,10 @@ BAD = [
      "give one number, or one per context length"),
     (("tasks", "niah_single", "samples"), [0], "config: key 'tasks.niah_single.samples[0]': 0 must be >= 1"),
     (("tasks", "recency", "from_end_tokens"), [2000], "preset 'default': key 'tasks.recency.from_end_tokens': each must be below every context length (1024)"),
-    (("tasks", "recency", "from_end_tokens"), DELETE, "config: key 'tasks.recency': missing required key 'from_end_tokens'"),
+    (("task_catalog", "recency", "from_end_tokens"), DELETE, "config: key 'task_catalog.recency': missing required key 'from_end_tokens'"),
+    (("tasks", "recency", "from_end_tokens"), [2000, 64], "preset 'default': key 'tasks.recency.from_end_tokens': each must be below"),
+    (("task_catalog", "recency", "samples"), 0, "config: key 'task_catalog.recency.samples': 0 must be >= 1"),
+    (("tasks", "niah_single", "from"), "nope", "config: key 'tasks.niah_single.from': no task 'nope' in task_catalog (niah_single, "),
     (("tasks", "common_words", "uncommon_freq"), 10, "preset 'default': key 'tasks.common_words.uncommon_freq': must be below common_freq 10"),
     (("tasks", "prose_kl", "continuation_tokens"), 1, "config: key 'tasks.prose_kl.continuation_tokens': 1 must be >= 2"),
     (("benchmark", "task"), "recency",

@@ -12,12 +12,13 @@ import pytest
 import yaml
 
 from conftest import ROOT, snakemake
-from kvlab.config import resolve
+from kvlab.config import resolve, with_preset
 from kvlab.full_shape import derive, job_peaks, write_config
 
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
 CONFIG = yaml.safe_load((ROOT / "config.yaml").read_text())
 FULL = CONFIG["presets"]["full"]  # the preset as written (its tasks replace the top level's; it sets no methods)
+TASKS = with_preset(CONFIG, "full")["tasks"]  # its tasks made whole: the catalogue's entries with the preset's changes
 
 
 def test_derived_config_is_the_full_preset_on_the_tiny_model():
@@ -25,7 +26,7 @@ def test_derived_config_is_the_full_preset_on_the_tiny_model():
     assert derived["preset"] == "default" and derived["presets"] == {}
     assert (derived["device"], derived["dtype"]) == ("cpu", "float32")
     assert list(derived["tasks"]) == list(FULL["tasks"])
-    for name, task in FULL["tasks"].items():
+    for name, task in TASKS.items():
         got = derived["tasks"][name]
         assert {k: v for k, v in got.items() if k in task and k != "samples"} == {k: v for k, v in task.items() if k not in ("samples", "max_samples")}
         assert "max_samples" not in got and derived["sequential"]["max_samples"] == 0  # one sample per cell, no rounds
@@ -36,7 +37,7 @@ def test_derived_config_is_the_full_preset_on_the_tiny_model():
     assert {**derived["benchmark"], "samples": FULL["benchmark"]["samples"]} == FULL["benchmark"]
     (model,) = derived["models"].values()
     assert model["source"] == "tiny"
-    longest = max(n for t in FULL["tasks"].values() for n in t["context_tokens"])
+    longest = max(n for t in TASKS.values() for n in t["context_tokens"])
     assert longest + 256 <= model["max_position_embeddings"]  # arithmetic decodes 256 tokens after its prompt
 
 
@@ -66,7 +67,7 @@ def test_the_run_plans_every_task_and_length_of_the_preset(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
     planned = set(re.findall(r"wildcards: model=tiny-qwen2, task=(\w+), ctx=(\d+)", out))
-    expected = {(task, str(n)) for task, spec in FULL["tasks"].items() for n in spec["context_tokens"]}
+    expected = {(task, str(n)) for task, spec in TASKS.items() for n in spec["context_tokens"]}
     speed = {(rule, str(n)) for rule, key in (("throughput", "throughput"), ("engine_vs_pipeline", "benchmark"))
              for n in FULL[key]["context_tokens"]}
     speed_planned = set(re.findall(r"rule (throughput|engine_vs_pipeline):\n.*?wildcards: model=tiny-qwen2, ctx=(\d+)", out, flags=re.S))

@@ -1,5 +1,6 @@
-"""Config loading: pick the preset, validate against the JSON schema (Snakemake's `validate`, which
-also fills defaults), and turn the first problem into one line naming the key and what is allowed."""
+"""Config loading: pick the preset (laid over the top level, its tasks picked from the catalogue: kvlab.overlay),
+validate against the JSON schema (Snakemake's `validate`, which also fills defaults), and turn the first problem
+into one line naming the key and what is allowed."""
 
 from __future__ import annotations
 
@@ -12,10 +13,7 @@ import yaml
 from kvlab import params, press_source, tasks
 from kvlab.kernels.accounting import Scheme
 from kvlab.methods import KINDS, kind_of
-
-
-class ConfigError(ValueError):
-    """A config problem, described in one line."""
+from kvlab.overlay import CATALOG, OVERLAY, ConfigError, select_tasks, with_preset  # presets, the task catalogue
 
 
 def check_config_files(base: str | Path | None, overlays=()) -> None:
@@ -70,96 +68,18 @@ def check_yaml(path: str | Path, overlay: bool = False) -> None:
             stack.append(((*keys, key), value_node))
 
 
-OVERLAY = ("extends", "replace", "methods_add", "methods_drop", "methods_tasks")  # a preset's own keys (not config keys)
-
-
-def with_preset(config: dict, name: str) -> dict:
-    """A copy of `config` without its presets, preset `name` laid over it, and `preset` set to `name`. Not
-    validated: see `resolve`.
-
-    A preset is an overlay. It starts from preset `extends` (default: preset `default`, the top-level config with
-    whatever `presets.default` changes);
-    `methods_drop` (names) removes methods, `methods_add` (name: spec) adds new ones, `methods_tasks` (name: tasks,
-    or `all` for every task) sets a method's `tasks`; every other key is merged into the config key by key (mappings
-    recursively; a list or a value replaces), except the keys named in `replace`, whose value replaces the config's
-    whole. A name that does not exist where it must, or exists where it must not, is one ConfigError line."""
-    presets = config.get("presets") or {}
-    out = copy.deepcopy({k: v for k, v in config.items() if k != "presets"})
-    chain, at = [], name
-    while at != "default":
-        if at not in presets:
-            where = f"preset '{chain[-1]}': key 'extends'" if chain else "config: key 'preset'"
-            raise ConfigError(f"{where}: unknown preset '{at}'; allowed: " + ", ".join(dict.fromkeys(["default", *presets])))
-        if at in chain:
-            raise ConfigError(f"preset '{name}': presets extend each other in a circle ({' → '.join([*chain, at])}); "
-                              "one of them must extend default")
-        chain.append(at)
-        at = (presets[at] or {}).get("extends", "default")
-    for each in ["default", *reversed(chain)]:  # preset default, if the config gives one, lies under every other
-        out = overlay(out, presets.get(each) or {}, f"preset '{each}'")
-    out["preset"] = name
-    return out
-
-
-def overlay(config: dict, preset: dict, where: str) -> dict:
-    """`preset`'s changes applied to a copy of `config` (see with_preset)."""
-    out = copy.deepcopy(config)
-    replace = preset.get("replace", [])
-    if not isinstance(replace, list) or any(key not in preset or key in OVERLAY for key in replace):
-        raise ConfigError(f"{where}: key 'replace': {replace!r}; it must list config keys this preset sets, whose "
-                          "values then replace the config's whole")
-    for key, value in preset.items():
-        if key not in OVERLAY:
-            out[key] = copy.deepcopy(value) if key in replace else _merged(out.get(key), value)
-    methods = out.setdefault("methods", {})
-    for m in _names(preset, "methods_drop", where):
-        if m not in methods:
-            raise ConfigError(f"{where}: key 'methods_drop': no method '{m}' to drop; methods here: {', '.join(methods)}")
-        del methods[m]
-    for m, spec in _mapping(preset, "methods_add", where).items():
-        if m in methods:
-            raise ConfigError(f"{where}: key 'methods_add.{m}': method '{m}' exists already; change its tasks with "
-                              "methods_tasks, or drop it first with methods_drop")
-        methods[m] = copy.deepcopy(spec)
-    for m, each in _mapping(preset, "methods_tasks", where).items():
-        if m not in methods:
-            raise ConfigError(f"{where}: key 'methods_tasks.{m}': no method '{m}'; methods here: {', '.join(methods)}")
-        if each == "all":
-            methods[m].pop("tasks", None)
-        else:
-            methods[m]["tasks"] = copy.deepcopy(each)
-    return out
-
-
-def _merged(base, change):
-    """`change` merged into `base`: mappings key by key, recursively; anything else replaces."""
-    if not (isinstance(base, dict) and isinstance(change, dict)):
-        return copy.deepcopy(change)
-    return {**base, **{k: _merged(base.get(k), v) for k, v in change.items()}}
-
-
-def _names(preset: dict, key: str, where: str) -> list:
-    value = preset.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{where}: key '{key}': {value!r}; it must be a list of method names")
-    return value
-
-
-def _mapping(preset: dict, key: str, where: str) -> dict:
-    value = preset.get(key, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: key '{key}': {value!r}; it must map method names to "
-                          + ("their specs" if key == "methods_add" else "a list of tasks, or all"))
-    return value
-
-
 def resolve(config: dict, schema_path: str | Path) -> dict:
-    """Return the validated config with the selected preset applied and defaults filled.
+    """Return the validated config with the selected preset applied, its tasks made whole from `task_catalog` (which
+    it leaves out: kvlab.overlay.select_tasks) and defaults filled.
 
     Every preset is checked, not only the selected one, so a broken preset is found before it is used.
     """
     schema = load_schema(schema_path)
     base = copy.deepcopy(config)
+    if CATALOG in base:  # the catalogue first, so that a fault in an entry is named where it is written
+        only = {**schema, "required": [], "properties": {CATALOG: schema["properties"][CATALOG]}}
+        _validate({CATALOG: copy.deepcopy(base[CATALOG])}, only, where="config")
+    select_tasks(base, where="config")  # the top level's tasks made whole from it
     _validate(base, schema, where="config")
     presets = base.get("presets", {})
     name = base.get("preset", "default")
@@ -218,7 +138,8 @@ def dtype_floor_note(config: dict) -> str | None:
             f"{', '.join(floor['tasks'])} measure no dtype noise floor (their dtype_noise_* columns stay empty)")
 
 
-DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "tasks": ("task", "kind")}
+DISCRIMINATORS = {"methods": ("method", "kind"), "models": ("model", "source"), "task_catalog": ("task", "kind"),
+                  "tasks": ("task", "kind")}
 
 
 def _filling_defaults(validator_class):
