@@ -771,7 +771,7 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp, monkeypat
     left = together[(together["method"] != "full") & together["diverged_at"].notna()]
     assert left["sample_id"].nunique() == 2 and left["method"].nunique() == 2
     # with no room for waiting caches, each sample's diverged rows decode as soon as it is verified: the same rows
-    monkeypatch.setattr("kvlab.engine.sample.DIVERGED_BYTES", 0)
+    tuned(monkeypatch, sharp, diverged_bytes=0)
     each = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8))
     pd.testing.assert_frame_equal(each.drop(columns=timing + floor), together.drop(columns=timing + floor))
 

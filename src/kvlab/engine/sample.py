@@ -12,6 +12,7 @@ from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.floors import dtype_floor, noise_floor, stepped_noise
 from kvlab.engine.greedy import decode_references, greedy_decode
 from kvlab.engine.teacher import forced_divergence
+from kvlab.engine.tuning import tuned
 from kvlab.engine.verify import Verified, decode_diverged, verify
 from kvlab.engine.prefill import Prefilled, prefill
 from kvlab.kernels.kvcache import layer_nbytes
@@ -95,23 +96,24 @@ def evaluate_samples(
     before the document) is compressed once for both agnostic and aware.
 
     The full cache's answers of every sample, compression and turn are decoded first, as one batch
-    (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache,
-    and `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows
-    that leave it: those of every sample are decoded together at the end, one batch per kind (`verify.decode_diverged`;
-    at most DIVERGED_BYTES of their caches wait: beyond, the samples so far are decoded then). With `kl`, KL and NLL come from that pass: along the sample's
-    reference text if it has one, else the full cache's own answer (so KL measures how far each method drifts
-    from full). The seconds of the shared reference decoding are split evenly among its answers. The noise floor
-    (`floors.noise_floor`) is measured on the full rows of the first `noise_samples` samples (None: every sample):
-    a verified turn's from the one-token steps its full answer was decoded with (kept by `decode_references`, the
-    reading the noise floor would step again), the others' (a reference text's path) stepped together as one batch,
-    their seconds split evenly among them. With `other` (the model loaded in another
-    compute dtype), the full rows of the first `other_samples` samples (None: every sample) are also read by it
-    (`floors.dtype_floor`): the noise floor of the compute dtype. `open_modes` ((method, budget) -> question modes;
-    None: all) names the modes each variant still needs (kvlab.sequential): a variant is compressed and decoded only
-    for the compressions that give one of its modes (it still gets every row those compressions give). `on_rows`, if
-    given, is called with the number of rows each sample adds once its teacher-forced passes are done (its
-    diverged rows' answers may still wait for the joint decode; a job's progress lines). `waves`: how each
-    compression's variants are split into waves that fit the job's memory budget (`_rows`; None: one wave).
+    (`decode_references`). Then per compression each variant compresses its own copy of the prefilled cache, and
+    `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows that
+    leave it: those of every sample are decoded together at the end, one batch per kind (`verify.decode_diverged`,
+    `Waiting`; at most `diverged_bytes` of their caches wait, kvlab.engine.tuning: beyond, the samples so far are
+    decoded then). With `kl`, KL and NLL come from that pass: along the sample's reference text if it has one, else
+    the full cache's own answer (so KL measures how far each method drifts from full). The seconds of the shared
+    reference decoding are split evenly among its answers. The noise floor (`floors.noise_floor`) is measured on the
+    full rows of the first `noise_samples` samples (None: every sample): a verified turn's from the one-token steps
+    its full answer was decoded with (kept by `decode_references`, the reading the noise floor would step again), the
+    others' (a reference text's path) stepped together as one batch, their seconds split evenly among them (`Pending`,
+    `NoiseRequest`). With `other` (the model loaded in another compute dtype), the full rows of the first
+    `other_samples` samples (None: every sample) are also read by it (`floors.dtype_floor`): the noise floor of the
+    compute dtype. `open_modes` ((method, budget) -> question modes; None: all) names the modes each variant still
+    needs (kvlab.sequential): a variant is compressed and decoded only for the compressions that give one of its modes
+    (it still gets every row those compressions give). `on_rows`, if given, is called with the number of rows each
+    sample adds once its teacher-forced passes are done (its diverged rows' answers may still wait for the joint
+    decode; a job's progress lines). `waves`: how each compression's variants are split into waves that fit the job's
+    memory budget (`_rows`; None: one wave).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
@@ -133,48 +135,92 @@ def evaluate_samples(
     steps = {wanted[n]: logits for n, logits in kept.items()}  # the noise floor's one-token steps, already taken
     del kept
 
-    rows, pending, owner = [], [], []  # pending: (noise-floor request, its rows, the token ids before its path)
-    waiting, runs, held = [], [], 0  # samples' row makers and verified turns whose diverged rows are not decoded yet
-
-    def settle():  # decode every waiting turn's diverged rows in one batch per kind, then make the rows, in order
-        nonlocal rows, owner, waiting, runs, held
-        decode_diverged(model, runs)
-        for i, makers in waiting:
-            before = len(pending)
-            found = [row for make in makers for row in make()]
-            rows += found
-            owner += [i] * (len(pending) - before)
-        waiting, runs, held = [], [], 0
-
+    pending: list[Pending] = []  # the measured full rows' noise floors, filled in once every sample's rows are made
+    waiting, most = Waiting(model, pending), tuned(model.device).diverged_bytes
     for i, pl in enumerate(plans):
         wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
         makers, verified, count = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl,
                                         {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
                                         pending if wanted_here else None, open_modes,
                                         {k[1:]: steps.pop(k) for k in list(steps) if k[0] == i}, waves)
-        waiting.append((i, makers))
-        runs += verified
-        held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group[0])
+        waiting.add(i, makers, verified)
         if on_rows is not None:
             on_rows(count)
-        if held > DIVERGED_BYTES:
-            settle()
-    settle()
-    chosen = [measured(noise_samples, i) for i in owner]
-    for (request, made, _), keep in zip(pending, chosen):
-        if keep and request[5] is not None:  # a verified turn's: measured from its reference's own decoding (`_rows`)
-            for row in made:
-                row.update(request[5])
-    _fill(pending, [keep and request[5] is None for (request, _, _), keep in zip(pending, chosen)],
-          lambda todo: noise_floor(model, [r[:5] for r, _, _ in todo]), "noise_s")
+        if waiting.held > most:
+            waiting.settle()
+    waiting.settle()
+    chosen = [measured(noise_samples, i) for i in waiting.owner]
+    for entry, keep in zip(pending, chosen):
+        if keep and entry.request.noise is not None:  # a verified turn's: measured from its reference's own decoding (`_rows`)
+            for row in entry.rows:
+                row.update(entry.request.noise)
+    _fill(pending, [keep and entry.request.noise is None for entry, keep in zip(pending, chosen)],
+          lambda todo: noise_floor(model, [entry.request.stepping() for entry in todo]), "noise_s")
     if other is not None:
         dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
-        _fill(pending, [measured(other_samples, i) for i in owner],
-              lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(ids, r[2], r[4]) for r, _, ids in todo])], "dtype_noise_s")
-    return rows
+        _fill(pending, [measured(other_samples, i) for i in waiting.owner],
+              lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(e.ids, e.request.path, e.request.logp_ref) for e in todo])],
+              "dtype_noise_s")
+    return waiting.rows
 
 
-DIVERGED_BYTES = 1 << 30  # diverged rows' caches (stored bytes) that wait for one joint decode at most
+@dataclass
+class NoiseRequest:
+    """A measured full row's noise floor (`floors.noise_floor`): its cache, the tail fed after it, its KL path, the
+    position the tail starts at, the log-probabilities (len(path), V) of the one teacher-forced pass it shared with
+    its prompt's other rows, and the noise columns when already measured (a verified turn's, from the one-token steps
+    of its reference's own decoding: `floors.stepped_noise`; None: `noise_floor` steps it later)."""
+
+    cache: object
+    tail: list[int]
+    path: list[int]
+    start: int
+    logp_ref: object
+    noise: dict | None = None
+
+    def stepping(self) -> tuple:
+        """What `noise_floor` reads of it: (cache, tail, path, start, logp_ref)."""
+        return self.cache, self.tail, self.path, self.start, self.logp_ref
+
+
+@dataclass
+class Pending:
+    """A full row whose noise floors are filled in once every sample's rows are made: its `NoiseRequest`, the rows it
+    gives (one per question mode), and the token ids fed before its path (prompt and turn: what `dtype_floor` reads)."""
+
+    request: NoiseRequest
+    rows: list[dict]
+    ids: list[int]
+
+
+class Waiting:
+    """Samples whose rows wait for their verified turns' diverged rows to be decoded (`evaluate_samples`): each sample's
+    row makers (`_rows`), the verified turns, and the bytes their diverged rows' caches hold. `settle` decodes every
+    waiting turn's diverged rows at once, one batch per kind, then makes the rows, in order, into `rows`; `owner`
+    gives the sample of each entry its makers added to `pending`."""
+
+    def __init__(self, model, pending: list[Pending]):
+        self.model, self.pending = model, pending
+        self.rows: list[dict] = []
+        self.owner: list[int] = []
+        self.makers: list[tuple[int, list]] = []
+        self.runs: list[Verified] = []
+        self.held = 0
+
+    def add(self, sample: int, makers: list, verified: list[Verified]) -> None:
+        """A sample's row makers and its verified turns, whose diverged rows are not decoded yet."""
+        self.makers.append((sample, makers))
+        self.runs += verified
+        self.held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group.caches)
+
+    def settle(self) -> None:
+        """Decode every waiting turn's diverged rows in one batch per kind, then make the waiting samples' rows."""
+        decode_diverged(self.model, self.runs)
+        for sample, makers in self.makers:
+            before = len(self.pending)
+            self.rows += [row for make in makers for row in make()]
+            self.owner += [sample] * (len(self.pending) - before)
+        self.makers, self.runs, self.held = [], [], 0
 
 
 def cache_bytes(cache) -> int:
@@ -182,7 +228,7 @@ def cache_bytes(cache) -> int:
     return sum(layer_nbytes(layer) for layer in cache.layers)
 
 
-def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
+def _fill(pending: list[Pending], chosen: list[bool], measure, seconds: str) -> None:
     """Measure the `chosen` pending full rows at once (`measure` of their entries gives one dict of columns each)
     and write the columns, with the seconds split evenly among them in column `seconds`, into each entry's rows."""
     todo = [entry for entry, keep in zip(pending, chosen) if keep]
@@ -191,8 +237,8 @@ def _fill(pending: list, chosen: list[bool], measure, seconds: str) -> None:
     t0 = time.perf_counter()
     found = measure(todo)
     each = (time.perf_counter() - t0) / len(todo)
-    for (_, made, _), columns in zip(todo, found):
-        for row in made:
+    for entry, columns in zip(todo, found):
+        for row in entry.rows:
             row.update(columns, **{seconds: each})
 
 
@@ -206,14 +252,13 @@ def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict
 
 
 def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, pending: list | None, open_modes: dict | None = None,
+          reference_s: float, pending: list[Pending] | None, open_modes: dict | None = None,
           steps: dict | None = None, waves=None) -> tuple[list, list[Verified], int]:
     """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer), as makers: call each,
     in order, for its turn's rows once the returned verified turns' diverged rows are decoded and settled (with
     other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With
-    `pending` (a list), each full row with a KL path adds its noise-floor request (cache, tail, path, start,
-    log-probabilities of the one pass, and the noise columns when already measured), its rows and the token ids
-    before its path, to be filled in later. `steps`: (key, turn) -> the logits the full answer's own decoding chose
+    `pending` (a list), each full row with a KL path adds its `Pending` entry (its `NoiseRequest`, its rows and
+    the token ids before its path), to be filled in later. `steps`: (key, turn) -> the logits the full answer's own decoding chose
     it from (`decode_references`' `keep`), from which a verified turn's noise floor is measured at once
     (`stepped_noise`: that decoding is the one-token reading the noise floor compares the one pass with), each
     freed once used. `open_modes`: as in `evaluate_samples`. `waves` (variants, reference index, context tokens) ->
@@ -260,7 +305,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                     t0 = time.perf_counter()
                     noise = stepped_noise(turn.logp_ref, logits, turn.run.first[ref])
                     noise["noise_s"] = time.perf_counter() - t0
-                request = (turn.ref_cache, turn_tail, turn.path, base.length, turn.logp_ref, noise)
+                request = NoiseRequest(turn.ref_cache, turn_tail, turn.path, base.length, turn.logp_ref, noise)
             # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
             timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": turn.tf_s, "decode_s": turn.decode_s,
                       "waves": len(groups)}
@@ -334,7 +379,7 @@ def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
 
 def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, number: int, gold, modes: list[str], base,
                stats: list[dict], compress_s: list[float], div: list[dict], answers, reference_s: float, timing: dict,
-               request, pending: list | None, batch: list[int]) -> list[dict]:
+               request: NoiseRequest | None, pending: list[Pending] | None, batch: list[int]) -> list[dict]:
     """One turn's rows, every variant × its question modes (`_rows`). `answers`: every row's answer, or the turn's
     `Verified` (settled: its decode seconds then include the diverged rows' share). `batch`: the rows of each
     variant's wave (decoded together)."""
@@ -386,5 +431,5 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
         made = [{**row, "question_mode": mode} for mode in modes]
         rows += made
         if i == ref and request is not None:
-            pending.append((request, made, base.ids + request[1]))
+            pending.append(Pending(request, made, base.ids + request.tail))
     return rows
