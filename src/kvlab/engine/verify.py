@@ -80,7 +80,7 @@ def verify(
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
     the reference's answer when it was already decoded (`decode_references`, with other prompts' references).
     `source`: the prompt's tokens before the tail (its prefill's), from which dense rows' drafts are looked up
-    (`_drafted`); None: no drafts."""
+    (`greedy._drafted`); None: no drafts."""
     t0 = time.perf_counter()
     if path is None:
         (path,), _ = decode_references(model, [(caches[ref], tail, start)], max_new_tokens, sources=[source])
