@@ -66,6 +66,18 @@ def compute_dtype(requested: str, device: str) -> str:
     return "bfloat16" if bf16_matmul_native(device) else "float32"
 
 
+def hand_back() -> bool:
+    """Hand the memory this process has freed back to the kernel now (glibc's malloc_trim; False elsewhere). With
+    `keep_freed_memory` the heap keeps every freed block for reuse, so peak RSS is the high-water mark of every phase
+    so far, fragmented: an evaluation sample run in waves under a memory budget (kvlab.memory) calls this before each
+    wave, so that what a wave holds is what it uses (measured: one 8K sample in two waves, 2.31 GB of RSS over the
+    loaded model without it, beside 2.37 GB for one wave)."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def keep_freed_memory() -> bool:
     """Let this process reuse the memory it frees instead of handing it back to the kernel (glibc only; False
     elsewhere, and nothing changes). glibc serves a large block from a fresh memory map (above 128 KB until a freed

@@ -15,6 +15,7 @@ from kvlab.engine.teacher import forced_divergence
 from kvlab.engine.tuning import tuned
 from kvlab.engine.verify import Verified, decode_diverged, verify
 from kvlab.engine.prefill import Prefilled, prefill
+from kvlab.hardware import hand_back
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample
@@ -277,6 +278,8 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
         batch = [next(len(w) for w in groups if i in w) for i in range(len(variants))]  # rows decoded with each
         found: dict[int, list] = {}  # turn -> each wave's (its variant indices, what the turn gave them)
         for wave in groups:
+            if len(groups) > 1:  # the last phase's or wave's freed memory handed back first (`hardware.hand_back`):
+                hand_back()  # a heap that keeps it would hold every wave's temporaries, fragmented, beside the next
             caches = []
             for i in wave:
                 t0 = time.perf_counter()
