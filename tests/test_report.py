@@ -503,6 +503,16 @@ def test_context_length_section_draws_shapes_measured_at_several_lengths():
     assert "<svg" not in context_length.body({"answers": mixed}, Rule())
     one = context_length.body({"answers": rows[rows["context_tokens"] == 1024]}, Rule())
     assert "<svg" not in one and "single needle: single needle @ 1,024 (20)" in one
+    # what each length cost, from the length_costs query: the drawn shapes' jobs only, the dtype floor's skips named
+    jobs = pd.DataFrame([{"model": "m", "task": t, "context_tokens": c, "samples": 20, "waves": w, "dtype": "bfloat16",
+                          "device": "cpu (AMX)", "dtype_floor_skipped": skip, "wall_s": 20.0 * c / 64,
+                          "s_per_sample": c / 64, "peak_rss_gb": 3.0 + c / 2048}
+                         for t, c, w, skip in [("single needle", 1024, 1, None), ("single needle", 4096, 2, "prompts of 4090 tokens"),
+                                               ("multi-hop", 1024, 1, None)]])
+    page = context_length.body({"answers": rows, "length_costs": jobs}, Rule())
+    costs = page[page.index("What each length cost"):]
+    assert "single needle at 4096: prompts of 4090 tokens" in costs and "multi-hop" not in costs
+    assert "5" in costs and "64" in costs  # peak RSS and seconds per sample at 4K, as given
 
 
 def test_two_bit_ablation_gives_a_paired_drop_interval():

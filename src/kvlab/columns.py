@@ -26,4 +26,4 @@ EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl
                 "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64",
                 "draw": "Int64", "round": "Int64", "round_s": "float64", "max_samples": "Int64", "stopped_by": "string",
                 "kv_saturated_keys": "float64", "kv_saturated_values": "float64", "cut_tokens": "Int64",
-                "prefix_tokens": "Int64"}
+                "prefix_tokens": "Int64", "waves": "Int64", "dtype_floor_skipped": "string"}

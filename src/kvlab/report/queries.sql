@@ -228,6 +228,20 @@ FROM models ORDER BY name;
 -- Wall time and peak memory per job (Snakemake benchmark files).
 SELECT job, s AS wall_s, max_rss AS max_rss_mb FROM benchmarks ORDER BY job;
 
+-- name: length_costs
+-- Per evaluation job (model, task, context length): its samples, seconds per sample and peak RSS (Snakemake's
+-- benchmark file), the most waves a sample ran in under the job's memory budget (kvlab.memory), the dtype and CPU
+-- kind it ran on, and why it measured no dtype floor where its task lists one.
+WITH jobs AS (
+    SELECT model, task, context_tokens, count(DISTINCT sample_id) AS samples, max(waves) AS waves,
+           string_agg(DISTINCT dtype, '; ') AS dtype, string_agg(DISTINCT device, '; ') AS device,
+           string_agg(DISTINCT dtype_floor_skipped, '; ') AS dtype_floor_skipped
+    FROM eval GROUP BY ALL
+)
+SELECT jobs.*, b.s AS wall_s, b.s / samples AS s_per_sample, b.max_rss / 1000 AS peak_rss_gb
+FROM jobs LEFT JOIN benchmarks b ON b.job = 'evaluate/' || model || '/' || task || '/' || context_tokens
+ORDER BY model, task, context_tokens;
+
 -- name: provenance
 -- What produced this report: config hash, preset, package versions, git commit, each model's weights
 -- (sha256) and the device and dtype the evaluation ran on.

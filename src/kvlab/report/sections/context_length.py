@@ -1,6 +1,7 @@
 """Accuracy against context length: one curve per method and budget for each task shape measured at more than
-one length, the full cache's beside them, with Wilson intervals; and every (shape, length) cell decided by the
-decision table's rule."""
+one length, the full cache's beside them, with Wilson intervals; every (shape, length) cell decided by the decision
+table's rule, beside the article's statements about length; and what each length cost: seconds per sample and peak
+memory per job."""
 
 import altair as alt
 import pandas as pd
@@ -10,7 +11,11 @@ from kvlab.report.html import svg, table
 from kvlab.report.tables import with_wilson
 
 TITLE = "Accuracy vs context length"
-QUERIES = ("answers",)
+QUERIES = ("answers", "length_costs")
+# The article's statements about length that these curves test (the claims section decides C5 on the default grid).
+ARTICLE = ("INT4 (KIVI) stays within 1 point of the full cache up to 32K (C5); quantization error accumulates over long "
+           "sequences (§2.3); eviction (SnapKV, PyramidKV, StreamingLLM) loses needles as the context grows while the "
+           "share it keeps stays the same.")
 KEYS = ["model", "shape", "generator", "question_mode", "context_tokens"]
 SHOWN = ["model", "shape", "generator", "question_mode", "context_tokens", "method", "budget", "samples", "accuracy", "accuracy_low",
          "accuracy_high", "full_accuracy", "full_low", "full_high", "drop_points", "drop_low", "drop_high", "decision", "n_to_decide"]
@@ -70,4 +75,23 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         "the drop vs the full cache on the same prompts with its one-sided 95% bounds (the betting confidence "
         f"sequence over samples, valid under the jobs' early stopping) against {rule.tolerance_points:g} points.</p>"
         + table(every[[c for c in SHOWN if c in every]])
+        + f"<p class='note'>The article's statements: {ARTICLE} A statement holds at a length where its method is decided "
+        "safe there, fails where it is decided unsafe, and is untested where the cell is inconclusive.</p>"
+        + costs(q.get("length_costs", pd.DataFrame()), rows)
     )
+
+
+def costs(jobs: pd.DataFrame, rows: pd.DataFrame) -> str:
+    """What each length cost: per evaluation job of the shapes drawn above, its samples, seconds per sample, peak RSS
+    (Snakemake's benchmark file: the whole job, model included), the most waves a sample ran in under the job's
+    memory budget, the dtype and CPU it ran on."""
+    if jobs.empty:
+        return ""
+    jobs = jobs[jobs["task"].isin(rows["task"].unique())]
+    skipped = jobs.dropna(subset=["dtype_floor_skipped"]) if "dtype_floor_skipped" in jobs else jobs.iloc[:0]
+    note = (" The dtype floor was skipped in " + "; ".join(f"{t} at {c}: {w}" for t, c, w in zip(
+        skipped["task"], skipped["context_tokens"], skipped["dtype_floor_skipped"])) + "." if len(skipped) else "")
+    return ("<h3>What each length cost</h3><p class='note'>Per evaluation job: seconds per sample (its wall time over "
+            "its samples, every method and question mode together) and its peak memory (peak RSS of the whole job, "
+            "model included; empty where the job has no benchmark file), with the dtype and CPU it ran on. A sample's "
+            f"variants ran in as many waves as its memory budget needed (kvlab.memory).{note}</p>" + table(jobs))
