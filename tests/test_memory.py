@@ -120,3 +120,16 @@ def test_the_cli_sizes_the_article_models(capsys):
     assert "weights        16.06 GB" in out and ": fits, in " in out
     assert main(["--model", "llama3.1-8b", "--context", "131072", "--preset", "long", "--device-gb", "24"]) == 1
     assert "does not fit" in capsys.readouterr().out
+
+
+def test_free_memory_is_the_jobs_cgroup_limit_where_one_is_set(tmp_path):
+    from kvlab.memory import available_bytes
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert available_bytes("cpu", tmp_path / "none", meminfo) == 20000000 * 1024  # no cgroup: the machine's
+    (tmp_path / "memory.max").write_text(f"{8 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert available_bytes("cpu", tmp_path, meminfo) == 5 * 2**30  # a SLURM job's --mem, less what it holds
+    (tmp_path / "memory.max").write_text("max\n")
+    assert available_bytes("cpu", tmp_path, meminfo) == 20000000 * 1024

@@ -190,16 +190,24 @@ def estimate(shape: Shape, dtype: str, tokens: int, rows: list[Row], ref: int, c
     return Estimate(phases, waves, shape.params * b, least)
 
 
-def available_bytes(device: str) -> int:
-    """Memory free for a job now: MemAvailable on a CPU (Linux), free device memory on a GPU."""
+def available_bytes(device: str, cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Memory free for a job now: on a CPU, MemAvailable (Linux), or less where the job's cgroup (v2) limits it (a
+    SLURM job's --mem: its memory.max less its memory.current); free device memory on a GPU."""
     if device == "cuda":
         import torch
 
         return torch.cuda.mem_get_info()[0]
-    for line in Path("/proc/meminfo").read_text().splitlines():
+    free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    for line in meminfo.read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+            free = int(line.split()[1]) * 1024
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            free = min(free, int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 memory controller here: the machine's memory
+    return free
 
 
 def budget_bytes(memory: dict, device: str) -> float:
