@@ -9,8 +9,8 @@ An evaluation job holds, over its loaded model (one sample at a time past 8K tok
   pass being run;
 - references: the full cache's answers of every compression decoded as one batch (its caches stacked);
 - waves: the variants of a wave compressed together (their stored caches), then read in teacher-forced batches (a
-  dense row padded in its batch, a quantized row's full-precision view), while the diverged rows of earlier waves
-  keep their caches until they are decoded.
+  dense row padded in its batch, a quantized row's full-precision view); the rows that leave the full answer are
+  decoded from the same caches.
 
 Each term is a count of tensor elements from the model's shape (config.json) times the compute dtype's bytes, times a
 factor for what the allocator and the kernels' temporaries add on top (`FACTORS`), fitted to peak RSS over the
@@ -33,10 +33,11 @@ GB = 1e9
 
 # Allocator and kernel overhead over the counted tensors, per phase: peak RSS over the loaded model / counted bytes.
 # Fitted on Qwen2.5-0.5B in bf16 on the 2-core AMX Xeon, one niah_single sample with the `long` methods in one wave
-# (benchmarks/long_memory.py): the wave phase holds the peak, at 1.65x, 1.70x and 1.71x its count at 4K, 8K and 16K;
-# the references phase read 1.55x at 16K (engine phases timed apart); prefill within its count. The 32K rows and the
-# budgeted rows check the fit (docs/benchmarks.md). On a GPU the caching allocator differs: unchecked until one is lent.
-FACTORS = {"prefill": 1.0, "references": 1.55, "wave": 1.7}
+# (benchmarks/long_memory.py): the wave phase holds the peak, at 1.86x, 1.93x and 1.94x its count at 4K, 8K and 16K
+# (what the count leaves out: each phase's temporaries, which the heap keeps, fragmented, for reuse); the references
+# phase read 1.55x at 16K (engine phases timed apart); prefill within its count. The 32K rows and the budgeted rows
+# check the fit (docs/memory.md). On a GPU the caching allocator differs: unchecked until one is lent (gpu/check.sh).
+FACTORS = {"prefill": 1.0, "references": 1.55, "wave": 1.9}
 ACTIVATION_COPIES = 3  # one layer's MLP intermediates (gate, up, their product) live at once in a prefill
 VIEW_ROOM = 1.5  # a quantized row's full-precision view: its tokens plus half again of room (kvcache._viewed)
 
@@ -163,12 +164,11 @@ def estimate(shape: Shape, dtype: str, tokens: int, rows: list[Row], ref: int, c
               "references": FACTORS["references"] * (held + samples * compressions * kv)}
     costs = [_variant_bytes(shape, b, tokens, r, path) for r in rows]
     costs[ref] = (0.0, costs[ref][1])  # the full cache's copy shares the prefill's tensors
-    diverged = sum(stored for stored, _ in costs)  # worst case: every variant leaves the full answer
-    fixed = held + diverged
+    # a wave's rows that leave the full answer are decoded from its own caches (with several waves, before the next)
 
     def wave_peak(wave: list[int]) -> float:  # dense rows are read in one batch, quantized ones in another
         read = max(sum(costs[i][1] for i in wave if (rows[i].bits is None) == dense) for dense in (True, False))
-        return FACTORS["wave"] * (fixed + sum(costs[i][0] for i in wave) + read)
+        return FACTORS["wave"] * (held + sum(costs[i][0] for i in wave) + read)
 
     order = [i for i in range(len(rows)) if i != ref]
     least = max(phases["prefill"], phases["references"], *(wave_peak([ref, i]) for i in order or [ref]))

@@ -263,9 +263,9 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
     it from (`decode_references`' `keep`), from which a verified turn's noise floor is measured at once
     (`stepped_noise`: that decoding is the one-token reading the noise floor compares the one pass with), each
     freed once used. `open_modes`: as in `evaluate_samples`. `waves` (variants, reference index, context tokens) ->
-    lists of variant indices, each with the reference: the variants compressed, teacher-forced and decoded together,
-    one wave's caches freed before the next is compressed (kvlab.memory plans them under the job's budget; None: one
-    wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
+    lists of variant indices, each with the reference: the variants compressed, teacher-forced and decoded together
+    (with several waves, a wave's diverged rows too), one wave's caches freed before the next is compressed
+    (kvlab.memory plans them under the job's budget; None: one wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
     sample = pl.sample
     makers, runs, count = [], [], 0
     every, every_ref = variants, ref
@@ -292,7 +292,10 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 if number in labelled:
                     found.setdefault(number, []).append((wave, _turn(model, pl, caches, local, number, key, turn_tail,
                                                                       max_new_tokens, kl, paths)))
-            del caches  # this wave's caches: only its diverged rows' and the reference's stay (theirs hold them)
+            if len(groups) > 1:  # its rows that left the full answer decoded now, not with the other samples' rows:
+                decode_diverged(model, [turn.run for w, turn in (parts[-1] for parts in found.values())
+                                        if turn.run is not None])  # their caches then go with the wave's
+            del caches  # this wave's caches: only the reference's stays (its noise-floor request holds it)
         if not any(pl.bases[k][0].parent is base for k in keys[at + 1 :]):
             base.captures = []  # compressed by every variant: its captured layer inputs are no longer read
         for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
