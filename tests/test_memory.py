@@ -117,9 +117,12 @@ def test_a_job_whose_budget_fits_no_variant_stops_before_any_work(tiny_dir, tmp_
 def test_the_cli_sizes_the_article_models(capsys):
     assert main(["--model", "llama3.1-8b", "--context", "32768", "--preset", "long", "--device-gb", "80"]) == 0
     out = capsys.readouterr().out
-    assert "weights        16.06 GB" in out and ": fits, in " in out
+    assert "loaded model 16.06 GB of 80.0 GB" in out and "niah_single: 7 variants" in out and "fits in " in out
     assert main(["--model", "llama3.1-8b", "--context", "131072", "--preset", "long", "--device-gb", "24"]) == 1
-    assert "does not fit" in capsys.readouterr().out
+    assert "does not fit: needs at least" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "llama3.1-8b", "--context", "32768"])  # a GPU's size must be given
+    assert "--device-gb: the GPU's memory in GB" in capsys.readouterr().err
 
 
 def test_free_memory_is_the_jobs_cgroup_limit_where_one_is_set(tmp_path):

@@ -38,6 +38,10 @@ GB = 1e9
 # phase read 1.55x at 16K (engine phases timed apart); prefill within its count. The 32K rows and the budgeted rows
 # check the fit (docs/memory.md). On a GPU the caching allocator differs: unchecked until one is lent (gpu/check.sh).
 FACTORS = {"prefill": 1.0, "references": 1.55, "wave": 1.9}
+# A loaded job beyond its weights' bytes on a CPU: torch, the tokenizer and the packed linear layers' buffers (peak RSS
+# of a loaded Qwen2.5-0.5B in bf16, 2.65 GB, less its 1.26 GB of weights; benchmarks/long_memory.py's loaded_gb). A
+# GPU's CUDA context sits outside torch's allocated bytes, which the budget counts there.
+RUNTIME = {"cpu": 1.4 * 1e9, "cuda": 0.0}
 ACTIVATION_COPIES = 3  # one layer's MLP intermediates (gate, up, their product) live at once in a prefill
 VIEW_ROOM = 1.5  # a quantized row's full-precision view: its tokens plus half again of room (kvcache._viewed)
 
@@ -272,9 +276,26 @@ def job_waves(model, run: dict, grid: list, tokens: int, cap: int, floor: bool, 
     return Waves(shape, run["dtype"], budget - loaded, compressions, cap + 1, samples, est)
 
 
-def _preset_rows(preset: str | None, task: str | None, config_path: str) -> tuple[list[Row], int, int, str]:
-    """The variants a preset runs on a task (default: the task with the most), the reference's index, the
-    compressions its question modes prefill, and the task's name."""
+@dataclass
+class Job:
+    """What the model needs to know of one evaluation job of a preset: its variants, the reference's index, the
+    prefills its question modes need, the tokens teacher-forced along an answer, and the samples run together."""
+
+    task: str
+    rows: list[Row]
+    ref: int
+    compressions: int
+    path: int
+
+    def estimate(self, shape: Shape, dtype: str, tokens: int, budget: float | None) -> Estimate:
+        return estimate(shape, dtype, tokens, self.rows, self.ref, self.compressions, self.path, budget,
+                        max(1, 8192 // tokens))  # kvlab.evaluate.samples_at_once
+
+
+def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[Job]:
+    """The evaluation jobs of a preset (or its one `task`), as the memory model reads them: prose (continuation)
+    prefills its document alone and teacher-forces its reference text; the other tasks prefill the question-aware
+    prompt too where a question mode needs it, and teacher-force the full cache's answer (at most max_new_tokens)."""
     import yaml
 
     from kvlab.config import resolve
@@ -284,45 +305,49 @@ def _preset_rows(preset: str | None, task: str | None, config_path: str) -> tupl
     if preset:
         config["preset"] = preset
     config = resolve(config, Path(config_path).parent / "workflow" / "config.schema.yaml")
-    methods = build(config["methods"])
-    tasks = [task] if task else list(config["tasks"])
     if task and task not in config["tasks"]:
         raise SystemExit(f"--task {task}: not a task of preset {preset or 'default'} ({', '.join(config['tasks'])})")
-    grids = {t: variants(methods, config["budgets"], t) for t in tasks}
-    name = max(grids, key=lambda t: len(grids[t]))
-    grid = grids[name]
-    aware = any(m in ("aware", "multi_turn") for m in config["question_modes"])
-    return [Row.of(v) for v in grid], next(i for i, v in enumerate(grid) if v.kind == "full"), 1 + aware, name
+    methods, aware = build(config["methods"]), any(m in ("aware", "multi_turn") for m in config["question_modes"])
+    jobs = []
+    for name in [task] if task else list(config["tasks"]):
+        spec, grid = config["tasks"][name], variants(methods, config["budgets"], name)
+        prose = spec["kind"] == "continuation"
+        path = spec["continuation_tokens"] if prose else spec.get("max_new_tokens", config["max_new_tokens"]) + 1
+        jobs.append(Job(name, [Row.of(v) for v in grid], next(i for i, v in enumerate(grid) if v.kind == "full"),
+                        1 if prose else 1 + aware, path))
+    return jobs
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvlab.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help=f"an acquired model's name, a config.json, or one of {', '.join(ARTICLE_MODELS)}")
     parser.add_argument("--context", type=int, required=True, help="prompt tokens of one sample")
-    parser.add_argument("--preset", help="the config preset whose methods run (default: the config's own)")
-    parser.add_argument("--task", help="the task whose methods count (default: the one with the most)")
+    parser.add_argument("--preset", help="the config preset whose jobs run (default: the config's own)")
+    parser.add_argument("--task", help="one task of the preset (default: each of its tasks)")
     parser.add_argument("--config", default="config.yaml")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES))
+    parser.add_argument("--device", default="cuda", choices=sorted(RUNTIME), help="where the job runs (default: cuda)")
     parser.add_argument("--device-gb", type=float, help="memory the job may use, weights included (default: free now)")
     args = parser.parse_args(argv)
     shape = model_shape(args.model)
-    rows, ref, compressions, task = _preset_rows(args.preset, args.task, args.config)
+    if not args.device_gb and args.device == "cuda":
+        parser.error("--device-gb: the GPU's memory in GB (e.g. 80 for an H100, 141 for an H200)")
     total = args.device_gb * GB if args.device_gb else available_bytes("cpu")
-    weights = shape.params * DTYPE_BYTES[args.dtype]
-    try:
-        est = estimate(shape, args.dtype, args.context, rows, ref, compressions, budget=total - weights)
-        fits = True
-    except MemoryBudgetError as e:
-        est, fits = estimate(shape, args.dtype, args.context, rows, ref, compressions), False
-        print(f"does not fit: {e}")
-    print(f"{args.model}, {args.context} tokens, {args.dtype}, task {task} of preset {args.preset or 'default'}: "
-          f"{len(rows)} variants, {compressions} compression(s)")
-    print(f"  weights      {weights / GB:7.2f} GB")
-    for phase, size in est.phases.items():
-        print(f"  {phase:12s} {size / GB:7.2f} GB over the weights")
-    print(f"  peak         {(weights + est.peak) / GB:7.2f} GB of {total / GB:.1f} GB: "
-          f"{'fits' if fits else 'does not fit'}, in {len(est.waves)} wave(s) of {', '.join(str(len(w)) for w in est.waves)} variants")
-    return 0 if fits else 1
+    weights = shape.params * DTYPE_BYTES[args.dtype] + RUNTIME[args.device]
+    print(f"{args.model} at {args.context} tokens in {args.dtype} on {args.device}, preset {args.preset or 'default'}: "
+          f"loaded model {weights / GB:.2f} GB of {total / GB:.1f} GB; per job, GB over the loaded model:")
+    every = True
+    for job in preset_jobs(args.preset, args.task, args.config):
+        est = job.estimate(shape, args.dtype, args.context, None)
+        phases = ", ".join(f"{phase} {size / GB:.2f}" for phase, size in est.phases.items())
+        try:
+            waves = job.estimate(shape, args.dtype, args.context, total - weights).waves
+            verdict = f"fits in {len(waves)} wave(s) of {', '.join(str(len(w)) for w in waves)} variants"
+        except MemoryBudgetError:
+            every, verdict = False, f"does not fit: needs at least {(weights + est.least) / GB:.1f} GB"
+        print(f"  {job.task}: {len(job.rows)} variants, one wave: {phases}; peak {(weights + est.peak) / GB:.1f} GB; "
+              f"{verdict}")
+    return 0 if every else 1
 
 
 if __name__ == "__main__":
