@@ -6,8 +6,9 @@ One niah_single sample (depth 0.5) at each context length, with the `long` prese
 kvlab.memory). Each point runs in its own process, because peak RSS only grows within one (the job keeps the memory it
 frees: hardware.keep_freed_memory). A row: context, budget, waves, peak RSS over the loaded model (sampled every 10 ms)
 beside the model's prediction for the same waves, wall seconds, dtype, CPU kind; and every point's rows go to
-long_memory_rows/ (compare the budgets' rows with `python -m kvlab.compare_runs`-style checks: test_memory.py does it
-on the tiny model).
+long_memory_rows/; a budgeted point's row says whether its rows equal the one-wave point's at the same context
+(`rows_equal_one_wave`: every column but timing ones, decode_batch and waves; KL columns compared apart, their largest
+absolute difference in `kl_max_abs_difference`, beside the one-wave run's batch noise floor `noise_kl_one_wave`).
 
     python benchmarks/long_memory.py MODEL_DIR --contexts 4096 8192 16384 32000 --budgets none 8 [--dtype auto]
         ->  results/benchmarks/long_memory.parquet (one row per context and budget: a later run replaces its own
@@ -83,6 +84,27 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
             "wall_s": wall, "dtype": dtype, "cpu_kind": cpu_kind("cpu"), "found": [r["score"] for r in rows if r["method"] == "full"][0]}
 
 
+def against_one_wave(rows_out: Path, context: int, budget: str) -> dict:
+    """How a budgeted point's rows compare with the one-wave point's at the same context (when both ran): every
+    column equal but timing ones, decode_batch and waves (kvlab.compare_runs.VARYING), and the KL columns' largest
+    absolute difference in nats (a teacher-forced batch of other rows rounds them differently: in bf16, by about the
+    batch noise floor the rows measure, noise_kl)."""
+    import numpy as np
+
+    from kvlab.compare_runs import VARYING
+
+    one, mine = rows_out / f"{context}_none.parquet", rows_out / f"{context}_{budget}.parquet"
+    if budget == "none" or not one.is_file():
+        return {}
+    a, b = pd.read_parquet(one), pd.read_parquet(mine)
+    rounded = ["kl_vs_full", "kl_max", "nll", "ppl", "noise_kl", "noise_kl_max"]
+    exact = [c for c in a.columns if not VARYING.search(c) and c not in rounded]
+    same = len(a) == len(b) and all(a[c].astype(str).equals(b[c].astype(str)) for c in exact)
+    kl = [np.nanmax(np.abs(a[c] - b[c])) for c in rounded if c in a and a[c].notna().any()]
+    return {"rows_equal_one_wave": same, "kl_max_abs_difference": float(max(kl)) if kl else None,
+            "noise_kl_one_wave": float(a["noise_kl"].max())}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir")
@@ -112,7 +134,7 @@ def main() -> int:
                 found.append({"context_tokens": context, "budget_gb": None if budget == "none" else float(budget),
                               "error": done.stderr.strip().splitlines()[-1]})
             else:
-                found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                found.append({**json.loads(done.stdout.strip().splitlines()[-1]), **against_one_wave(rows_out, context, budget)})
             print({k: v for k, v in found[-1].items() if not k.startswith("predicted_")}, flush=True)
             table = OUT / "long_memory.parquet"  # earlier points of other (context, budget) kept
             earlier = pd.read_parquet(table) if table.is_file() else pd.DataFrame(columns=["context_tokens", "budget_gb"])
