@@ -498,7 +498,7 @@ def test_wrapper_names_read_from_sources_match_kvpress_classes():
 
     import kvpress
 
-    from kvlab.press_source import kvpress_wrapper_names
+    from kvlab.methods.press_source import kvpress_wrapper_names
 
     classes = {n: getattr(kvpress, n) for n in dir(kvpress) if n.endswith("Press")}
     runtime = {n for n, c in classes.items() if dataclasses.is_dataclass(c) and "press" in {f.name for f in dataclasses.fields(c)}}
@@ -512,7 +512,7 @@ def test_press_fields_read_from_sources_match_dataclass_fields():
 
     import kvpress
 
-    from kvlab.press_source import NO_DEFAULT, init_fields
+    from kvlab.methods.press_source import NO_DEFAULT, init_fields
 
     for name in (n for n in dir(kvpress) if n.endswith("Press")):
         cls = getattr(kvpress, name)

@@ -10,9 +10,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from kvlab import params, press_source, tasks
+from kvlab import params, tasks
 from kvlab.kernels.accounting import Scheme
-from kvlab.methods import KINDS, kind_of
+from kvlab.methods import KINDS, kind_of, press_source
 from kvlab.overlay import CATALOG, OVERLAY, ConfigError, select_tasks, with_preset  # presets, the task catalogue
 
 

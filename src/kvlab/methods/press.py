@@ -1,11 +1,11 @@
 """kvpress presses in a method entry (`press`, `kwargs`, `wrapper`, `wrapper_kwargs`, `layer_budgets`): their
-checks against kvpress's own sources (`kvlab.press_source`, no kvpress import) and the press objects."""
+checks against kvpress's own sources (`kvlab.methods.press_source`, no kvpress import) and the press objects."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvlab import press_source
+from kvlab.methods import press_source
 
 PRESS_NAME = "^[A-Z][A-Za-z0-9]*Press$"  # the pattern of a press's class name in the schema
 
