@@ -18,8 +18,8 @@ import torch
 
 from kvlab.engine import decode_references, prefill, stop_ids
 from kvlab.evaluate import load_model
-from kvlab.hardware import compute_dtype
-from kvlab.io import write_parquet
+from kvlab.util.hardware import compute_dtype
+from kvlab.util.io import write_parquet
 from kvlab.tasks import GENERATORS
 from kvlab.tasks.scoring import score
 

@@ -23,8 +23,8 @@ import torch
 from kvlab.bench_eval import job_settings
 from kvlab.engine import evaluate_samples, tuning
 from kvlab.evaluate import load_model, noise_samples
-from kvlab.hardware import cpu_kind, device_name
-from kvlab.io import write_parquet
+from kvlab.util.hardware import cpu_kind, device_name
+from kvlab.util.io import write_parquet
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens
 

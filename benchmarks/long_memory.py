@@ -42,7 +42,7 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     from kvlab.config import resolve
     from kvlab.engine import evaluate_samples
     from kvlab.evaluate import load_model
-    from kvlab.hardware import compute_dtype, cpu_kind
+    from kvlab.util.hardware import compute_dtype, cpu_kind
     from kvlab.memory import GB, Row, Shape, estimate, waves_for
     from kvlab.methods import build, variants, with_calibration
     from kvlab.tasks import generate

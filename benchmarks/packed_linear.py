@@ -17,8 +17,8 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.hardware import cpu_kind, device_name
-from kvlab.io import write_parquet
+from kvlab.util.hardware import cpu_kind, device_name
+from kvlab.util.io import write_parquet
 from kvlab.kernels.linear import PackedLinear, packable
 
 # (out_features, in_features) of Qwen2.5-0.5B's linear layers

@@ -11,7 +11,7 @@ from kvlab.calibrate import (
     sink_rows,
 )
 from kvlab.config import CALIBRATION_TABLES
-from kvlab.corpus import _all_sentences, kjv_sentences
+from kvlab.util.corpus import _all_sentences, kjv_sentences
 from kvlab.engine import attention_layers, capture
 
 

@@ -641,7 +641,7 @@ def test_a_dataset_file_is_checked_before_any_job(config, tmp_path):
 def test_a_dtype_floor_this_machine_cannot_measure_is_said_once(config, monkeypatch):
     """An fp32 run where bf16 matmuls are emulated has no second dtype to read its floor in: the run says so once
     before its first job (rules/common.smk), naming the floor's tasks, instead of a warning from each of their jobs."""
-    from kvlab import hardware
+    from kvlab.util import hardware
 
     smoke = resolve({**config, "preset": "smoke"}, SCHEMA)
     monkeypatch.setattr(hardware, "bf16_matmul_native", lambda device: False)

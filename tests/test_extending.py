@@ -123,7 +123,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.methods.base import NO_STORAGE, MethodKind, MethodParams
-from kvlab.params import param
+from kvlab.util.params import param
 
 
 class Sketch(MethodKind):
@@ -151,7 +151,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.params import param
+from kvlab.util.params import param
 from kvlab.tasks.base import Sample, chat_prompt
 from kvlab.tasks.params import Answered
 

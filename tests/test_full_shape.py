@@ -77,8 +77,8 @@ def test_the_run_plans_every_task_and_length_of_the_preset(tmp_path):
 
 def test_job_peaks_joins_the_sampled_rss_and_the_peak_each_job_logged(tmp_path):
     """A job that holds 300 MB for a moment and frees it: Snakemake's sampled RSS can miss that, the kernel's
-    high-water mark logged at exit (kvlab.io.log_to) cannot."""
-    script = ("import sys, torch; from kvlab.io import log_to; log_to(sys.argv[1]); "
+    high-water mark logged at exit (kvlab.util.io.log_to) cannot."""
+    script = ("import sys, torch; from kvlab.util.io import log_to; log_to(sys.argv[1]); "
               "x = torch.ones(300 * 2**20 // 4); x.add_(1); del x")
     log = tmp_path / "logs" / "evaluate" / "m" / "niah" / "32000.log"
     subprocess.run([sys.executable, "-c", script, str(log)], check=True, timeout=120)

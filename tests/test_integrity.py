@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY_SPEC
-from kvlab.io import DamagedFileError, read_parquet
+from kvlab.util.io import DamagedFileError, read_parquet
 from kvlab.models.acquire import acquire
 from kvlab.models.card import read_card
 from kvlab.models.integrity import ModelIntegrityError, file_sha256, verify_weights

@@ -549,11 +549,11 @@ def test_two_bit_ablation_gives_a_paired_drop_interval():
 
 def test_speed_sections_say_not_run_when_the_run_left_them_out():
     """A run with `speed_benchmarks: []` collects empty throughput and engine_vs_pipeline tables, typed
-    (kvlab.columns): the report's queries still run on them, and their sections say the jobs were not run."""
+    (kvlab.util.columns): the report's queries still run on them, and their sections say the jobs were not run."""
     import duckdb
 
     from kvlab.collect import _concat
-    from kvlab.columns import ENGINE_VS_PIPELINE_COLUMNS, THROUGHPUT_COLUMNS
+    from kvlab.util.columns import ENGINE_VS_PIPELINE_COLUMNS, THROUGHPUT_COLUMNS
     from kvlab.report.sections import engine, throughput
 
     queries = load_queries()
@@ -572,7 +572,7 @@ def test_speed_sections_say_not_run_when_the_run_left_them_out():
 def test_collect_types_a_column_by_the_files_that_fill_it(tmp_path):
     """Jobs of different tasks fill different columns: a task without needles writes `depth` as None (typed object
     in its file). The joined column takes the type of the files with values, in the files' column order, with no
-    pandas FutureWarning; the eval columns kvlab.columns declares take their declared types."""
+    pandas FutureWarning; the eval columns kvlab.util.columns declares take their declared types."""
     import warnings
 
     from kvlab.collect import _concat, _with_columns

@@ -1,5 +1,5 @@
 """What an interrupted run leaves: stale locks, missing intermediate files, half-written files (kvlab.runstate,
-kvlab.io). The real interrupts of the pipeline are in test_dag.py."""
+kvlab.util.io). The real interrupts of the pipeline are in test_dag.py."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvlab import runstate
-from kvlab.io import atomic_path
+from kvlab.util.io import atomic_path
 
 
 def _locked(work, owners):

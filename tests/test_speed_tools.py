@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from conftest import ROOT
-from kvlab import hardware
+from kvlab.util import hardware
 
 
 @pytest.mark.parametrize("amx,avx512,expected", [(True, False, "bfloat16"), (False, True, "bfloat16"),
@@ -45,7 +45,7 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
                 "--config", config, "--dtype", "float32", "--threads", "1", "--repeats", "2",
                 "--out", str(tmp_path / "p.parquet")])
     assert out.equals(pd.read_parquet(tmp_path / "p.parquet"))
-    from kvlab.hardware import bf16_matmul_native
+    from kvlab.util.hardware import bf16_matmul_native
 
     assert set(out["dtype"]) == {"float32"} and set(out["threads"]) == {1}  # the command line's, not the config's 2
     assert set(out["cpu_kind"]) == {"bf16-capable" if bf16_matmul_native("cpu") else "fp32 only (no AVX512-BF16 or AMX)"}

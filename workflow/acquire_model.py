@@ -1,6 +1,6 @@
 """Rule acquire_model: a configured model → resources/models/{model}/ (HF format + card.json)."""
 
-from kvlab.io import log_to
+from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from kvlab.hardware import compute_dtype
-from kvlab.io import log_to
+from kvlab.util.hardware import compute_dtype
+from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821
 

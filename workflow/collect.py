@@ -1,7 +1,7 @@
 """Rule collect: every Parquet file, model card and benchmark → results/kvlab.duckdb."""
 
 from kvlab.collect import build
-from kvlab.io import log_to
+from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821
 build(

@@ -2,7 +2,7 @@
 bytes a decode step reads (NSA, MoBA vs full) → reads.parquet; where they exceed the weights' → crossover.parquet."""
 
 from kvlab.costs import cost_rows, crossover_rows, read_rows
-from kvlab.io import atomic_path, log_to
+from kvlab.util.io import atomic_path, log_to
 from kvlab.models.card import read_card
 
 log_to(snakemake.log[0])  # noqa: F821

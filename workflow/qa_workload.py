@@ -1,6 +1,6 @@
 """Rule workload: a dataset task's recipe (qa_mix, chat_mix) → results/workloads/{task}.jsonl."""
 
-from kvlab.io import log_to
+from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821 (snakemake is injected by the script directive)
 

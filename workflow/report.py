@@ -1,6 +1,6 @@
 """Rule report: results/kvlab.duckdb → results/report.html (self-contained, offline) and the key figures as SVG."""
 
-from kvlab.io import log_to
+from kvlab.util.io import log_to
 from kvlab.report.build import FIGURES, build
 from kvlab.report.decision import Rule
 

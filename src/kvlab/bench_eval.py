@@ -63,7 +63,7 @@ def job_arguments(description: str, samples_help: str, samples_default: int | No
 
 def apply_overrides(args, run: dict) -> dict:
     """`run` with the command line's --threads and --dtype (else the config's dtype, `auto` resolved here)."""
-    from kvlab.hardware import compute_dtype
+    from kvlab.util.hardware import compute_dtype
 
     run = dict(run)
     if args.threads:

@@ -20,8 +20,8 @@ import torch
 
 from kvlab.engine import Batch, cache_stats, compress, decode_path, evaluate_sample, greedy_decode, host_free_step, prefill
 from kvlab.evaluate import load_model
-from kvlab.hardware import device_name
-from kvlab.io import write_parquet
+from kvlab.util.hardware import device_name
+from kvlab.util.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card
 from kvlab.tasks import GENERATORS, generate, max_new_tokens

@@ -32,9 +32,9 @@ import pandas as pd
 import torch
 
 from kvlab.config import CALIBRATION_TABLES
-from kvlab.corpus import kjv_sentences, prose_ids
+from kvlab.util.corpus import kjv_sentences, prose_ids
 from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding, project
-from kvlab.io import write_parquet
+from kvlab.util.io import write_parquet
 from kvlab.kernels.codecs import rotate
 from kvlab.models.card import read_card
 

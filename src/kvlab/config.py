@@ -10,10 +10,11 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from kvlab import params, tasks
+from kvlab import tasks
 from kvlab.kernels.accounting import Scheme
 from kvlab.methods import KINDS, kind_of, press_source
 from kvlab.overlay import CATALOG, OVERLAY, ConfigError, select_tasks, with_preset  # presets, the task catalogue
+from kvlab.util import params
 
 
 def check_config_files(base: str | Path | None, overlays=()) -> None:
@@ -105,7 +106,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
 
 def load_schema(schema_path: str | Path) -> dict:
     """The config schema: the file (workflow/config.schema.yaml), with `$defs.method` and `$defs.task` made from the
-    method and task kinds' parameter declarations (their `Params`, kvlab.params), so a kind is declared once."""
+    method and task kinds' parameter declarations (their `Params`, kvlab.util.params), so a kind is declared once."""
     schema = yaml.load(Path(schema_path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     schema["$defs"]["method"] = params.definition({name: kind.Params for name, kind in KINDS.items()})
     schema["$defs"]["task"] = params.definition({name: module.Params for name, module in tasks.KINDS.items()})
@@ -128,7 +129,7 @@ def dtype_floor_note(config: dict) -> str | None:
     """One line, said once before a local run's first job (rules/common.smk): the dtype noise floor `dtype_floor`
     asks for cannot be measured on this machine (an fp32 run where bf16 matmuls are emulated); None where it can,
     or where none is asked for. Each job of a listed task notes it in its own log as well."""
-    from kvlab.hardware import compute_dtype, other_dtype
+    from kvlab.util.hardware import compute_dtype, other_dtype
 
     floor = config["dtype_floor"]
     dtype = compute_dtype(config["dtype"], config["device"])

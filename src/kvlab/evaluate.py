@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from kvlab import memory, resume
 from kvlab.engine import evaluate_samples
-from kvlab.hardware import device_name, keep_freed_memory, other_dtype
-from kvlab.io import write_parquet
+from kvlab.util.hardware import device_name, keep_freed_memory, other_dtype
+from kvlab.util.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry
 from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
@@ -124,7 +124,7 @@ HEARTBEAT_S = 30.0  # a job logs its progress at least this often, however long 
 @contextmanager
 def heartbeat(line):
     """Log `line()` every HEARTBEAT_S seconds from a background thread while the block runs (the log file and the
-    terminal both get it: kvlab.io.log_to)."""
+    terminal both get it: kvlab.util.io.log_to)."""
     every, stop = HEARTBEAT_S, threading.Event()
 
     def beat():

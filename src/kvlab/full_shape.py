@@ -22,7 +22,7 @@ import yaml
 
 from kvlab.collect import read_benchmarks
 from kvlab.config import with_preset
-from kvlab.io import PEAK_RSS, write_parquet
+from kvlab.util.io import PEAK_RSS, write_parquet
 from kvlab.tasks import max_new_tokens
 
 PRESET = "full"

@@ -40,7 +40,7 @@ def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str, laye
 
     from kvlab.benchmark import GRAPH_REPLAYS, graph_step
     from kvlab.engine import ATTENTION, cache_stats, compress, decode_path, greedy_decode, host_free_step, prefill
-    from kvlab.hardware import device_name
+    from kvlab.util.hardware import device_name
     from kvlab.methods import Variant
 
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def memory(context: int, device: str, dtype: str, layers: int, share: float) -> 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvlab.engine import ATTENTION, evaluate_samples
-    from kvlab.hardware import device_name
+    from kvlab.util.hardware import device_name
     from kvlab.memory import GB, job_waves
     from kvlab.methods import build, variants
     from kvlab.models.tiny import byte_level_tokenizer

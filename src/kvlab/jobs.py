@@ -2,7 +2,7 @@
 the command-line tools that run one job, kvlab.bench_eval and kvlab.profile_eval), made concrete on the machine
 that runs it (`run_settings`).
 
-Above the engine and the method kinds (the import contract in pyproject.toml): kvlab.io stays below them.
+Above the engine and the method kinds (the import contract in pyproject.toml): kvlab.util.io stays below them.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
 def run_settings(smk) -> dict:
     """A measuring job's `run` dict: the rule's params, its threads and memory budget (kvlab.memory; the same rows
     under any budget, so changing it reruns nothing), `dtype: auto` resolved on the machine that
-    runs the job (kvlab.hardware.compute_dtype), and methods with calibrated values filled in from the job's
+    runs the job (kvlab.util.hardware.compute_dtype), and methods with calibrated values filled in from the job's
     calibration input (when it has one)."""
-    from kvlab.hardware import compute_dtype
+    from kvlab.util.hardware import compute_dtype
 
     run = dict(smk.params.run, threads=smk.threads, memory=smk.config.get("memory", {}))  # not a param: any budget
     run["dtype"] = compute_dtype(run["dtype"], run["device"])

@@ -23,8 +23,8 @@ import time
 import pandas as pd
 import torch
 
-from kvlab.columns import DECODE_KERNEL_COLUMNS
-from kvlab.hardware import device_name
+from kvlab.util.columns import DECODE_KERNEL_COLUMNS
+from kvlab.util.hardware import device_name
 from kvlab.kernels import codecs, decode_attention, kvcache
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def bench(card: dict, spec: dict, device: str, dtype: torch.dtype) -> pd.DataFra
 
 def decode_kernels(model_dir, spec: dict, run: dict, out_path) -> pd.DataFrame:
     """The benchmark for one model (rule decode_kernels), written as Parquet."""
-    from kvlab.io import write_parquet
+    from kvlab.util.io import write_parquet
     from kvlab.models.card import read_card
 
     torch.set_num_threads(run["threads"])

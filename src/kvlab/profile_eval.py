@@ -59,8 +59,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
 from kvlab.evaluate import load_model, noise_samples, samples_at_once
-from kvlab.hardware import cpu_kind, device_name
-from kvlab.io import write_parquet
+from kvlab.util.hardware import cpu_kind, device_name
+from kvlab.util.io import write_parquet
 from kvlab.kernels.linear import PackedLinear, packable
 from kvlab.methods import variants, with_calibration
 from kvlab.tasks import generate, max_new_tokens

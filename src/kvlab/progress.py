@@ -9,7 +9,7 @@ more prompts it needs. It decides them as the report does (the report's `answers
 with the Rule of the config's `decision`) and writes results/progress.html in the report's style.
 
 A checkpoint is only read: its bytes are copied into memory and unpickled there, so the running job, which replaces
-it by a rename (kvlab.io.atomic_path), never finds it open or locked. A running job's cells are those of its rows so
+it by a rename (kvlab.util.io.atomic_path), never finds it open or locked. A running job's cells are those of its rows so
 far: a decision made here stands (the bounds are valid at any n, kvlab.anytime), and a cell open here may be decided
 by rounds still to come. Checkpoints are not checked against the run's config (their key needs the model's card and
 the code), so one an earlier config left is shown too until its job runs again.
@@ -26,9 +26,9 @@ import pandas as pd
 import yaml
 
 from kvlab.collect import _with_columns, joined
-from kvlab.columns import EVAL_COLUMNS
+from kvlab.util.columns import EVAL_COLUMNS
 from kvlab.config import resolve
-from kvlab.io import atomic_path, read_parquet
+from kvlab.util.io import atomic_path, read_parquet
 from kvlab.report.build import CSS, load_queries
 from kvlab.report.decision import Rule, cells, why_open
 from kvlab.report.html import esc, section, table

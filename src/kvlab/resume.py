@@ -4,7 +4,7 @@ continues from its last finished chunk of samples instead of starting over.
 The job (`kvlab.evaluate.run_job`) evaluates its prompts chunk by chunk, and a chunk's rows depend only on its
 samples and on the variants still open, which the rows before it decide; so the rows so far, the next sample
 and the round's state are all a rerun needs to write the same rows as an uninterrupted run. After each chunk the
-job writes that state beside its output (`<output>.partial`, a pickle written through kvlab.io.atomic_path, so a
+job writes that state beside its output (`<output>.partial`, a pickle written through kvlab.util.io.atomic_path, so a
 kill mid-write leaves the previous checkpoint whole), and removes it once the output is written.
 
 A checkpoint is only used by the same job: its key hashes the task and its spec, the context length, the job's
@@ -21,7 +21,7 @@ import pickle
 from functools import lru_cache
 from pathlib import Path
 
-from kvlab.io import atomic_path
+from kvlab.util.io import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def load(out_path: str | Path, key: str) -> dict | None:
 
 
 def save(out_path: str | Path, key: str, state: dict) -> None:
-    """Write the job's state atomically (kvlab.io.atomic_path: a temporary file renamed over the checkpoint)."""
+    """Write the job's state atomically (kvlab.util.io.atomic_path: a temporary file renamed over the checkpoint)."""
     with atomic_path(path_for(out_path)) as tmp, open(tmp, "wb") as f:
         pickle.dump({"key": key, "state": state}, f, protocol=pickle.HIGHEST_PROTOCOL)
 

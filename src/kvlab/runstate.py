@@ -23,7 +23,7 @@ import socket
 import sys
 from pathlib import Path
 
-from kvlab.io import pid_alive
+from kvlab.util.io import pid_alive
 
 LOCKS = Path(".snakemake/locks")
 

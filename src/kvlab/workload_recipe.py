@@ -31,7 +31,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from kvlab.io import atomic_path
+from kvlab.util.io import atomic_path
 
 PACKAGE = "long_context_eval"
 DOCUMENT = "Document {i}:\n{document}"  # RULER's DOCUMENT_PROMPT; its blocks are joined by a blank line

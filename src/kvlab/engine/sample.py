@@ -15,7 +15,7 @@ from kvlab.engine.teacher import forced_divergence
 from kvlab.engine.tuning import tuned
 from kvlab.engine.verify import Verified, decode_diverged, verify
 from kvlab.engine.prefill import Prefilled, prefill
-from kvlab.hardware import hand_back
+from kvlab.util.hardware import hand_back
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
 from kvlab.tasks.base import Sample

@@ -84,7 +84,7 @@ class Method:
             return self
         from pathlib import Path
 
-        from pandas import read_parquet  # kvlab.io lies below the method kinds, but this module imports it not at all
+        from pandas import read_parquet  # kvlab.util.io lies below the method kinds, but this module imports it not at all
 
         entry = dict(self.entry)
         if "kwargs" in entry:

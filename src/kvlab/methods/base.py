@@ -1,7 +1,7 @@
 """The method-kind interface. A config entry `methods.NAME` becomes a :class:`MethodKind` of its `kind`
 (registered in `kvlab.methods.KINDS`), which owns everything kind-specific:
 
-- its parameters (its `Params`, declared once: kvlab.params makes the config schema's branch of the kind from them)
+- its parameters (its `Params`, declared once: kvlab.util.params makes the config schema's branch of the kind from them)
   and their checks beyond the schema (:meth:`problem`, called by config validation);
 - whether it evicts (then it runs at every budget) and whether it reads the model's calibration;
 - what it does to a copy of the prefilled cache after any press has evicted (:meth:`apply`);
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, Protocol
 
 from kvlab.methods.press import PRESS_NAME, Problem, press_problem
-from kvlab.params import param
+from kvlab.util.params import param
 
 
 @dataclass(kw_only=True)
@@ -57,7 +57,7 @@ class MethodKind:
     and `tasks`. The base class is a cache left as prefilled, evicted by a kvpress press when it has one."""
 
     name: ClassVar[str]
-    Params: ClassVar[type] = MethodParams  # its parameters (kvlab.params); a kind with none of its own keeps these
+    Params: ClassVar[type] = MethodParams  # its parameters (kvlab.util.params); a kind with none of its own keeps these
 
     def __init__(self, params: dict):
         self.params = params

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvlab.methods.base import MethodKind, MethodParams, Services
-from kvlab.params import param
+from kvlab.util.params import param
 
 
 class BlockSparse(MethodKind):

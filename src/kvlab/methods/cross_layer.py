@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvlab.methods.base import MethodKind, MethodParams, Services
-from kvlab.params import param
+from kvlab.util.params import param
 
 
 class CrossLayer(MethodKind):

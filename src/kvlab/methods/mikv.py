@@ -21,7 +21,7 @@ from typing import Literal
 
 from kvlab.methods.base import MethodKind, MethodParams, Services
 from kvlab.methods.press import PRESS_NAME
-from kvlab.params import param
+from kvlab.util.params import param
 from kvlab.methods.schemes.kivi import KIVI
 
 

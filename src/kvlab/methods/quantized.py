@@ -15,7 +15,7 @@ from typing import Literal
 from kvlab.methods.base import KVPress, MethodKind, MethodParams, Services
 from kvlab.methods.press import PRESS_NAME
 from kvlab.methods.schemes import SCHEMES
-from kvlab.params import param, shared
+from kvlab.util.params import param, shared
 
 
 class Quant(MethodKind):

@@ -14,7 +14,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from kvlab.io import atomic_path
+from kvlab.util.io import atomic_path
 from kvlab.report.decision import Rule, annotate
 from kvlab.report.html import esc, section
 from kvlab.report.sections import SECTIONS, accuracy, quant, verdict_grid

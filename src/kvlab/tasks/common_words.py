@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvlab.corpus import kjv_vocabulary
-from kvlab.params import param
+from kvlab.util.corpus import kjv_vocabulary
+from kvlab.util.params import param
 from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, independent
 from kvlab.tasks.params import Answered
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvlab.corpus import kjv_sentences, prose_ids
-from kvlab.params import param
+from kvlab.util.corpus import kjv_sentences, prose_ids
+from kvlab.util.params import param
 from kvlab.tasks.base import Prompt, Sample, independent
 from kvlab.tasks.params import TaskParams
 

@@ -45,7 +45,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import ClassVar, Literal
 
-from kvlab.params import param, shared
+from kvlab.util.params import param, shared
 from kvlab.tasks.base import Prompt, Sample, Turn, chat_pieces, chat_prompt, encode
 from kvlab.tasks.params import Answered
 from kvlab.tasks.rows import FIELDS, DatasetError, Record, load

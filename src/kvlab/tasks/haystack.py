@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvlab.corpus import kjv_sentences
+from kvlab.util.corpus import kjv_sentences
 
 NOISE = (
     "The river runs slowly past the old stone mill.",

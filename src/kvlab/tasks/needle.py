@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-from kvlab.params import param
+from kvlab.util.params import param
 from kvlab.tasks.base import Prompt, Sample, chat_prompt, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.params import AtDepths

@@ -1,12 +1,12 @@
-"""The parameters task kinds share (kvlab.params): a kind's module declares its `Params` by subclassing one of
-these, adding its own and rewording (`kvlab.params.shared`) or redeclaring the shared ones it reads differently."""
+"""The parameters task kinds share (kvlab.util.params): a kind's module declares its `Params` by subclassing one of
+these, adding its own and rewording (`kvlab.util.params.shared`) or redeclaring the shared ones it reads differently."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from kvlab.params import param
+from kvlab.util.params import param
 
 
 @dataclass(kw_only=True)

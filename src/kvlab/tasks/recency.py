@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlab.params import param
+from kvlab.util.params import param
 from kvlab.tasks.base import Sample, encode, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render

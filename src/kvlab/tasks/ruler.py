@@ -29,7 +29,7 @@ from functools import cache
 from importlib import metadata, resources
 from pathlib import Path
 
-from kvlab.params import param, shared
+from kvlab.util.params import param, shared
 from kvlab.tasks.base import Sample, chat_prompt, encode
 from kvlab.tasks.params import Answered
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import string
 from dataclasses import dataclass
 
-from kvlab.params import param
+from kvlab.util.params import param
 from kvlab.tasks.base import Sample, fit, grid_samples
 from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import render

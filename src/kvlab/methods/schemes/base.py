@@ -19,7 +19,7 @@ from kvlab.methods.press import Problem
 @lru_cache(maxsize=8)
 def calibration_table(calibration_dir: str, name: str):
     """One calibration table of a model (a DataFrame), read once per process."""
-    from kvlab.io import read_parquet
+    from kvlab.util.io import read_parquet
 
     return read_parquet(Path(calibration_dir) / f"{name}.parquet")
 
