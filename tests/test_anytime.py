@@ -1,4 +1,4 @@
-"""Bounds that keep their level when a job stops early (kvlab.anytime, kvlab.report.stats.drop_bounds), simulated.
+"""Bounds that keep their level when a job stops early (kvlab.stats.anytime, kvlab.stats.intervals.drop_bounds), simulated.
 
 The failure they prevent: a job that peeks at its cell after every round and stops once the bound decides. A
 fixed-n interval read that way calls a method safe far more often than its 5% when the method in truth loses
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from kvlab.anytime import ALPHA, ebh, sequence
-from kvlab.report.stats import drop_bounds, kl_bounds, mean_bounds
+from kvlab.stats.anytime import ALPHA, ebh, sequence
+from kvlab.stats.intervals import drop_bounds, kl_bounds, mean_bounds
 
 TOLERANCE = 5.0  # points
 CELLS = 400  # simulated cells per case; 2 standard errors of a 5% rate: ±2.2 points

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvlab.anytime import sequence
+from kvlab.stats.anytime import sequence
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule, article_comparison, c12_verdict, decision_table
 from kvlab.report.verdicts.cost import matches as _matches
@@ -115,7 +115,7 @@ def test_decision_table_names_undecided_methods_inconclusive_not_safe():
     assert needle["inconclusive at ≥ 4×"].startswith("h2o@0.25 (4.0×): 0% [0%, 66%] vs full 100%")
     assert "snapkv@0.25 (4.0×): 100% [34%, 100%] vs full 100% [34%, 100%], drop +0.0 pts" in needle["inconclusive at ≥ 4×"]
     # a lossless cell is decided safe at sequence(zeros).down_at samples (66) and one that loses every answer unsafe
-    # at 6 (kvlab.anytime): 2 here, so 64 and 4 more
+    # at 6 (kvlab.stats.anytime): 2 here, so 64 and 4 more
     lossless = sequence(np.zeros(200), -1.0, 1.0, 0.05).down_at
     assert lossless == 66
     assert f"drop +0.0 pts, bounds [-100.0, +100.0], n=2; needs about {lossless - 2} more samples" in needle["inconclusive at ≥ 4×"]

@@ -12,7 +12,7 @@ from scipy import stats
 from kvlab.report.build import build
 from kvlab.report.decision import decision_table, outcomes
 from kvlab.report.sections import power, verdict_grid
-from kvlab.report.stats import drop_bounds, lossless_samples
+from kvlab.stats.intervals import drop_bounds, lossless_samples
 from kvlab.tasks.base import Prompt, Turn
 
 
@@ -48,7 +48,7 @@ def test_power_matches_a_hand_computation():
 def test_power_at_large_n_and_the_lossless_need():
     # 500 samples, half lost: the drops' sd is 50 points, so the detectable drop is z·50/√500 ≈ 3.7 points, and
     # the 1-point statement is already decided (unsafe) at this n; a lossless cell of 100 samples would need 333 in
-    # all (the betting bound at 1 point, kvlab.anytime; the 'full' preset's max_samples covers it)
+    # all (the betting bound at 1 point, kvlab.stats.anytime; the 'full' preset's max_samples covers it)
     (r,) = power.power_table(frame(cell("x", "recency", 0.5, [1.0, 0.0] * 250)), power.Rule()).to_dict("records")
     z = stats.norm.ppf(0.95)
     assert r["detectable_drop_points"] == pytest.approx(z * 50 / math.sqrt(500), rel=0.01)

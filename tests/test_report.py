@@ -13,7 +13,7 @@ import pytest
 from kvlab.report.build import build, load_queries
 from kvlab.report.claims import verdicts as claim_verdicts
 from kvlab.report.decision import Rule
-from kvlab.report.stats import wilson
+from kvlab.stats.intervals import wilson
 from kvlab.report.tables import pooled
 
 CHROMIUM = shutil.which("chromium")
@@ -522,7 +522,7 @@ def test_two_bit_ablation_gives_a_paired_drop_interval():
     import numpy as np
 
     from kvlab.report.sections.quant import ablation_table
-    from kvlab.report.stats import drop_bounds
+    from kvlab.stats.intervals import drop_bounds
 
     rank = np.random.default_rng(0).permutation(60)  # lost answers spread over the samples, as draws would spread them
     layouts = {"kivi2": ("channel", "token", 3), "kivi2_key_token": ("token", "token", 36)}

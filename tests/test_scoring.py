@@ -80,10 +80,10 @@ def test_the_new_metrics_need_a_gold_answer(metric):
 
 def test_paired_bounds_decide_on_continuous_scores():
     """F1 and ROUGE are partial scores in [0, 1]: the decision's bounds take their per-sample differences as they
-    take lost answers (kvlab.report.stats.drop_bounds)."""
+    take lost answers (kvlab.stats.intervals.drop_bounds)."""
     import numpy as np
 
-    from kvlab.report.stats import drop_bounds
+    from kvlab.stats.intervals import drop_bounds
 
     full = np.random.default_rng(0).uniform(0.5, 1.0, 150)
     assert drop_bounds(full, full.copy(), 5.0).decide(5.0) == "safe"

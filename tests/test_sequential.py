@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from kvlab.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
-from kvlab.report.stats import drop_bounds, per_sample
+from kvlab.stats.intervals import drop_bounds, per_sample
 from kvlab.report.decision import Rule
 from kvlab.sequential import cell_drops, open_cells, per_point, planned
 from kvlab.tasks import generate
@@ -35,7 +35,7 @@ def test_planned_prompts():
     assert planned({"kind": "niah"}, 6, 96) == 96
     assert planned({"kind": "niah", "max_samples": 20}, 6, 96) == 20
     assert planned({"kind": "niah"}, 6, 0) == 6  # a fixed grid
-    assert planned({"kind": "continuation"}, 10, 96) == 96  # prose KL runs in rounds too (kvlab.report.stats.kl_bounds)
+    assert planned({"kind": "continuation"}, 10, 96) == 96  # prose KL runs in rounds too (kvlab.stats.intervals.kl_bounds)
     assert per_point(6, 2, 20) == 7  # three points: 7 each reach 20
 
 

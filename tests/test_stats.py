@@ -1,4 +1,4 @@
-"""The intervals and the three-outcome rule behind the report's verdicts (kvlab.report.stats), on counts and
+"""The intervals and the three-outcome rule behind the report's verdicts (kvlab.stats.intervals), on counts and
 paired answers whose answer is known."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from kvlab.report.decision import Rule, judge
-from kvlab.report.stats import drop_bounds, mean_bounds, wilson
+from kvlab.stats.intervals import drop_bounds, mean_bounds, wilson
 
 
 @pytest.mark.parametrize("k,n", [(0, 10), (5, 10), (10, 10), (37, 120), (199, 200)])

@@ -1,7 +1,7 @@
 """Verdicts that keep their promise (issue 52), simulated with the project's own functions and its round schedule:
 the printed cell is the tested cell, KL verdicts about a bounded quantity hold under heavy tails, the table's
 decisions keep their false-decision rate, a cell with one early loss is decided near the exact binomial's n, and no
-n overflows. Vectorised over cells (kvlab.anytime.wealth_at): seconds."""
+n overflows. Vectorised over cells (kvlab.stats.anytime.wealth_at): seconds."""
 
 import math
 from pathlib import Path
@@ -12,9 +12,9 @@ import pytest
 import yaml
 from scipy import optimize, stats
 
-from kvlab.anytime import ALPHA, ebh, sequence, wealth_at
+from kvlab.stats.anytime import ALPHA, ebh, sequence, wealth_at
 from kvlab.report.decision import Rule, cells, decision_table
-from kvlab.report.stats import drop_bounds, kl_bounds, lossless_samples, quiet_kl_samples
+from kvlab.stats.intervals import drop_bounds, kl_bounds, lossless_samples, quiet_kl_samples
 
 LEVEL = math.log(1 / ALPHA)
 THETA = 0.05  # 5 points
@@ -188,7 +188,7 @@ def test_heavy_tailed_kl_at_the_edge_is_rarely_safe_under_prose_rounds(family):
     """The audit's heavy tails (lognormal σ 1.5 and 2, spikes of 0.1–1.0 nat in 1–8% of samples) with the capped
     mean exactly at the threshold, and a tail share exactly at its limit, run as prose_kl's job: called safe in at
     most 5% of 2,000 cells, within simulation error. The plain mean of such KL can lie far above the capped one:
-    the report's words say which it bounds (kvlab.report.stats.kl_bounds)."""
+    the report's words say which it bounds (kvlab.stats.intervals.kl_bounds)."""
     rng = np.random.default_rng(sum(map(ord, family)))
     safe = np.mean(prose_decisions(heavy(rng, 2000, 96, family), Rule(), PROSE) == 1)
     assert safe <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)

@@ -154,7 +154,7 @@ def time_up(plan: dict, elapsed: float) -> bool:
     """Whether a job stops adding rounds: sequential.stop_after_minutes (opt-in; absent, null or 0: no limit) is each
     job's own share, N minutes of its evaluation (the model's loading aside; a resumed job counts the time before
     its interruption), checked when a round ends, so the first round always runs whole. Its bounds stay valid
-    (kvlab.anytime: they hold at any stopping time), but where it stops depends on the machine's speed."""
+    (kvlab.stats.anytime: they hold at any stopping time), but where it stops depends on the machine's speed."""
     limit = plan.get("stop_after_minutes")
     return bool(limit) and elapsed >= 60 * limit
 

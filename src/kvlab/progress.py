@@ -10,7 +10,7 @@ with the Rule of the config's `decision`) and writes results/progress.html in th
 
 A checkpoint is only read: its bytes are copied into memory and unpickled there, so the running job, which replaces
 it by a rename (kvlab.util.io.atomic_path), never finds it open or locked. A running job's cells are those of its rows so
-far: a decision made here stands (the bounds are valid at any n, kvlab.anytime), and a cell open here may be decided
+far: a decision made here stands (the bounds are valid at any n, kvlab.stats.anytime), and a cell open here may be decided
 by rounds still to come. Checkpoints are not checked against the run's config (their key needs the model's card and
 the code), so one an earlier config left is shown too until its job runs again.
 """

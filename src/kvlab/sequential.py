@@ -2,7 +2,7 @@
 
 A job (a task at one context length) first runs the task's `samples` on every variant. After each round every cell
 of the job (method × budget × question mode) is decided as the report decides it: the paired per-sample drop
-against the full cache, bounded by a betting confidence sequence (kvlab.report.stats.drop_bounds, kvlab.anytime),
+against the full cache, bounded by a betting confidence sequence (kvlab.stats.intervals.drop_bounds, kvlab.stats.anytime),
 safe when its upper bound is within the tolerance, unsafe when its lower bound reaches it. Those bounds hold at
 every n at once, so stopping on them keeps their level. A decided cell stays open until the e-value of its
 decision also reaches the table's stopping level, 1/(α · decision.planned_share) (kvlab.report.decision.Rule.stop_e):
@@ -13,7 +13,7 @@ Prompts are drawn index by index (kvlab.tasks.base.grid_samples), so a longer ru
 depends on the answers alone, so two runs give the same rows.
 
 Prose tasks (kind continuation) are scored by their per-sample KL against the full cache, decided as the report
-decides it too (kvlab.report.stats.kl_bounds: the capped mean and the share above the cap), so they run in rounds
+decides it too (kvlab.stats.intervals.kl_bounds: the capped mean and the share above the cap), so they run in rounds
 as well.
 """
 
@@ -24,7 +24,7 @@ import math
 import pandas as pd
 
 from kvlab.report.decision import Rule
-from kvlab.report.stats import drop_bounds, kl_bounds, per_sample
+from kvlab.stats.intervals import drop_bounds, kl_bounds, per_sample
 
 
 def planned(spec: dict, initial: int, max_samples: int) -> int:

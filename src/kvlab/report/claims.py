@@ -2,7 +2,7 @@
 (queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, decision.c12).
 
 The claims section lists every claim; the calibration, quantization and eviction sections list their own.
-Statistical claims (C3–C8, C11, C12, C15–C17) are decided from one-sided 95% bounds (kvlab.report.stats): holds, does
+Statistical claims (C3–C8, C11, C12, C15–C17) are decided from one-sided 95% bounds (kvlab.stats.intervals): holds, does
 not hold or inconclusive; C1, C2 (descriptive statistics of the calibration pass), C9, C13 and C14 (arithmetic:
 the formula on the model geometry) and C10 (bytes counted) are not sampled and are decided on their numbers.
 """

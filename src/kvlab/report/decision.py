@@ -4,7 +4,7 @@ Input is the `answers` query: every compressed method's answers beside the full 
 or, for prose, each sample's per-token KL; and the bytes the method stored as a fraction of the full cache in
 bf16. The tested unit is a **job cell**: one method at one budget and question mode in one evaluation job (a task
 at one context length), the stream of samples that job stopped on. `judge` decides a job cell with the `Rule`
-from its anytime bounds (kvlab.report.stats): safe, unsafe or inconclusive, each at 5% error. A printed cell that
+from its anytime bounds (kvlab.stats.intervals): safe, unsafe or inconclusive, each at 5% error. A printed cell that
 spans several jobs (a task shape at several lengths) is combined, never pooled: safe when every judged job cell is
 safe (an intersection of tests: still 5%), unsafe when any is (a union: up to 5% per job cell it spans), else
 inconclusive; its bounds are those of the job cell that binds.
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from kvlab.anytime import ALPHA, ebh
-from kvlab.report.stats import TAIL_SHARE, drop_bounds, kl_bounds, per_sample, wilson
+from kvlab.stats.anytime import ALPHA, ebh
+from kvlab.stats.intervals import TAIL_SHARE, drop_bounds, kl_bounds, per_sample, wilson
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,13 @@ DESCRIBE = ["method_kind", "press", "wrapper", "scheme", "bits", "key_axis", "va
 
 def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     """One job cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
-    cache with its betting bounds over samples in draw order (valid however the job stopped: kvlab.anytime), or on
-    prose the mean per-sample KL with the betting bounds of its capped mean (kvlab.report.stats.kl_bounds; each
+    cache with its betting bounds over samples in draw order (valid however the job stopped: kvlab.stats.anytime), or on
+    prose the mean per-sample KL with the betting bounds of its capped mean (kvlab.stats.intervals.kl_bounds; each
     sample capped at kl_cap_ratio × kl_safe; `kl_over_cap`: samples above it, `kl_tail_high`: the upper bound of
     their share); `sample_sd`, the
     per-sample spread; the sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation
     round, the e-values of its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide`
-    for an inconclusive cell (kvlab.report.stats).
+    for an inconclusive cell (kvlab.stats.intervals).
 
     Flips (scored answers only): `losses`, the samples on which the method scores below the full cache (right →
     wrong), and `gains`, those on which it scores above it (wrong → right), each out of `samples` (a sample's turns
@@ -245,7 +245,7 @@ def flips(r) -> str:
 
 def why_open(r) -> str:
     """Why an inconclusive cell is open: it reached its jobs' max_samples, or about how many more samples like its
-    own would decide it (kvlab.anytime: the best constant stake's growth, so a low estimate), or none would."""
+    own would decide it (kvlab.stats.anytime: the best constant stake's growth, so a low estimate), or none would."""
     n, cap = r["n_to_decide"], r.get("cap", math.nan)
     if isinstance(cap, float) and math.isfinite(cap) and r["samples"] >= cap:
         return f"reached max_samples ({cap:,.0f})"

@@ -2,14 +2,14 @@
 matter, per model, compute dtype and change: read one token at a time in a padded batch of other prompts' full
 rows (on question tasks the steps of its own decoding), or read in one pass by the model in another compute dtype (config `dtype_floor`), each against
 its one pass in the batch of every row, with the same intervals as any other KL and answer share
-(kvlab.report.stats). Shown beside every KL claim and in the divergence section."""
+(kvlab.stats.intervals). Shown beside every KL claim and in the divergence section."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from kvlab.report.decision import Rule
-from kvlab.report.stats import mean_bounds, per_sample, shown, wilson
+from kvlab.stats.intervals import mean_bounds, per_sample, shown, wilson
 
 KEYS = ["model", "dtype", "change"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from kvlab.report.stats import mean_bounds, per_sample, wilson
+from kvlab.stats.intervals import mean_bounds, per_sample, wilson
 
 STORAGE = ["model", "method", "scheme", "bits", "key_axis", "value_axis", "policy", "budget"]
 

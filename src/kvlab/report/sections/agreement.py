@@ -9,7 +9,7 @@ import pandas as pd
 
 from kvlab.report.decision import Rule, cells
 from kvlab.report.html import esc, table
-from kvlab.report.stats import per_sample, wilson
+from kvlab.stats.intervals import per_sample, wilson
 
 TITLE = "Agreement with the full cache (no references)"
 QUERIES = ("agreement",)

@@ -5,9 +5,9 @@ import altair as alt
 import numpy as np
 import pandas as pd
 
-from kvlab.anytime import ALPHA
+from kvlab.stats.anytime import ALPHA
 from kvlab.report.decision import JOB, Rule, cells, job_cells, why_open
-from kvlab.report.stats import lossless_samples, quiet_kl_samples
+from kvlab.stats.intervals import lossless_samples, quiet_kl_samples
 from kvlab.report.html import svg, table
 
 TITLE = "Where the answers went: decisions and the samples they took"
@@ -95,7 +95,7 @@ def time_note(rows: pd.DataFrame, rule: Rule) -> str:
     names = ", ".join(f"{t} @ {c:,}" for t, c in jobs[JOB].itertuples(index=False))
     head = (f"<h3>Left open by the time limit</h3><p>{len(jobs)} job(s) stopped adding rounds when their share of "
             f"<code>sequential.stop_after_minutes</code> was spent ({names}). Their decided cells stand: the bounds "
-            f"are valid at any stopping time, by time or otherwise (kvlab.anytime). ")
+            f"are valid at any stopping time, by time or otherwise (kvlab.stats.anytime). ")
     if left.empty:
         return head + "No cell of theirs was left open.</p>"
     return (head + f"{len(left)} job cell(s) stayed open; 'more samples' is about how many more samples like their "
@@ -118,7 +118,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"first samples on every method, then a few prompts at a time on the full cache and on the methods with a cell "
         f"still open, until none is or the job reaches <code>max_samples</code>. Cells that fail fast stop early, "
         f"and the prompts go to the cells that look lossless, the only ones that can be called safe. The bounds behind "
-        f"every decision are betting confidence sequences over samples in draw order (kvlab.anytime): at each cell's "
+        f"every decision are betting confidence sequences over samples in draw order (kvlab.stats.anytime): at each cell's "
         f"threshold, the chance of calling a method safe whose true drop is at least {rule.tolerance_points:g} points, or "
         f"unsafe when it is below that, is at most {ALPHA:.0%} at every n at once, so the rule that stopped the job "
         f"cannot bias them. A cell that loses no answer is decided safe after {lossless} samples. Prose cells are decided "

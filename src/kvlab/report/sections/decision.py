@@ -18,7 +18,7 @@ def rule_text(rule: Rule) -> str:
         f"a method is <b>safe</b> at a budget when the one-sided 95% upper bound of its accuracy drop vs the full "
         f"cache on the same samples is at most {rule.tolerance_points:g} points (config <code>decision.tolerance_points</code>), "
         f"<b>unsafe</b> when the lower bound reaches it, and <b>inconclusive</b> otherwise. Bounds of a drop: a "
-        f"betting confidence sequence over the per-sample paired drops in draw order (kvlab.anytime; turns of a "
+        f"betting confidence sequence over the per-sample paired drops in draw order (kvlab.stats.anytime; turns of a "
         f"sample averaged first), valid at every n at once, so the evaluation jobs' early stopping keeps each "
         f"decision's error at most 5%. On prose, with no answers to score, the verdict is about the per-token KL "
         f"against {rule.kl_safe:g} nat (config <code>decision.kl_safe</code>), each sample's KL capped at "

@@ -6,7 +6,7 @@ import pandas as pd
 from kvlab.report.decision import Rule
 from kvlab.report.html import table
 from kvlab.report.noise import floor
-from kvlab.report.stats import mean_bounds, per_sample
+from kvlab.stats.intervals import mean_bounds, per_sample
 
 TITLE = "Divergence from the full cache"
 QUERIES = ("divergence", "noise_floor")

@@ -5,7 +5,7 @@ import pandas as pd
 
 from kvlab.report.decision import Rule
 from kvlab.report.html import table
-from kvlab.report.stats import wilson
+from kvlab.stats.intervals import wilson
 
 TITLE = "Evaluation cost"
 QUERIES = ("eval_cost", "verification")

@@ -6,7 +6,7 @@ import pandas as pd
 
 from kvlab.report.decision import Rule
 from kvlab.report.html import esc, table
-from kvlab.report.stats import LEVEL, mean_bounds, per_sample, wilson
+from kvlab.stats.intervals import LEVEL, mean_bounds, per_sample, wilson
 
 TITLE = "Output length"
 QUERIES = ("output_lengths",)

@@ -6,7 +6,7 @@ import pandas as pd
 from kvlab.report.claims import BY_NUMBER
 from kvlab.report.decision import NO_REFERENCE, Rule, cells
 from kvlab.report.html import esc, table
-from kvlab.report.stats import LEVEL, Z, detectable, drop_bounds, lossless_samples, per_sample
+from kvlab.stats.intervals import LEVEL, Z, detectable, drop_bounds, lossless_samples, per_sample
 
 TITLE = "Power: what each cell can detect"
 QUERIES = ("answers",)
@@ -27,7 +27,7 @@ def power_table(rows: pd.DataFrame, rule: Rule) -> pd.DataFrame:
     """Per cell: n, distinct prompts and whether some repeat, the decision with its drop (or KL) and bounds, the
     per-sample spread, the smallest drop n samples tell from 0 at one-sided 95% (normal approximation) and the
     samples in all that the betting bound would take to decide the cell at POINTS if its samples went on alike
-    (kvlab.anytime; prose cells, decided on KL: blank)."""
+    (kvlab.stats.anytime; prose cells, decided on KL: blank)."""
     c = cells(rows, rule, by=["model", "shape", "question_mode"]).merge(prompts(rows), on=KEYS, validate="1:1")
     scored = c["drop_points"].notna() if "drop_points" in c else pd.Series(False, index=c.index)
     sd = c["sample_sd"].where(scored)

@@ -7,7 +7,7 @@ import pandas as pd
 from kvlab.report.claims import verdicts
 from kvlab.report.decision import Rule
 from kvlab.report.html import svg, table, verdict_list
-from kvlab.report.stats import drop_bounds, per_sample
+from kvlab.stats.intervals import drop_bounds, per_sample
 from kvlab.report.tables import pooled, where, with_kl_bounds, with_wilson
 
 TITLE = "Quantized KV caches"
@@ -48,7 +48,7 @@ def kl_bits_chart(kl: pd.DataFrame) -> alt.TopLevelMixin:
 
 
 def with_bounds(q: dict[str, pd.DataFrame], rule: Rule) -> pd.DataFrame:
-    """quant_kl with the bounds of each mean KL (bootstrap over samples, kvlab.report.stats)."""
+    """quant_kl with the bounds of each mean KL (bootstrap over samples, kvlab.stats.intervals)."""
     return with_kl_bounds(q["quant_kl"], q["answers"], ["model", "method", "budget", "context_tokens"], rule.kl_min_samples)
 
 
@@ -59,7 +59,7 @@ def figure(q: dict[str, pd.DataFrame], rule: Rule) -> str:
 def ablation_table(kl: pd.DataFrame, by_task: pd.DataFrame, answers: pd.DataFrame, tolerance: float) -> pd.DataFrame:
     """The article's KIVI table shape: 2-bit KIVI by key axis × value axis, KL per prefix and accuracy on the
     tasks all four ran on, with the accuracy drop against the full cache on the same answers and its paired
-    bounds over samples (kvlab.report.stats.drop_bounds at the decision's `tolerance`, as the decision table's)."""
+    bounds over samples (kvlab.stats.intervals.drop_bounds at the decision's `tolerance`, as the decision table's)."""
     def two_bit(frame: pd.DataFrame) -> pd.DataFrame:
         return frame[(frame["scheme"] == "kivi") & (frame["bits"] == 2) & (frame["policy"] == "kivi") & (frame["budget"] == 1)]
 

@@ -6,7 +6,7 @@ import pandas as pd
 
 from kvlab.report.decision import Rule
 from kvlab.report.html import esc, table
-from kvlab.report.stats import drop_bounds, per_sample, wilson
+from kvlab.stats.intervals import drop_bounds, per_sample, wilson
 
 TITLE = "RULER (kvpress leaderboard layout)"
 QUERIES = ("ruler",)

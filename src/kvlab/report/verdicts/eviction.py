@@ -1,5 +1,5 @@
 """C6, C7, C8 and C11 from the eviction methods' answers beside the full cache's on the same prompts and their
-per-sample prose KL (the answers query), decided from paired bounds over samples (kvlab.report.stats)."""
+per-sample prose KL (the answers query), decided from paired bounds over samples (kvlab.stats.intervals)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.report.stats import ORDER, all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample
+from kvlab.stats.intervals import ORDER, all_of, at_least, at_most, drop_bounds, mean_bounds, per_sample
 
 NO_REFERENCE = "not measured (the full cache scores 0% on these samples)"
 

@@ -1,12 +1,12 @@
 """C15 and C16 from the prose KL (the answers query) of structures a model must be trained for, applied post hoc:
-block-sparse reads and cross-layer sharing; decided from intervals (kvlab.report.stats)."""
+block-sparse reads and cross-layer sharing; decided from intervals (kvlab.stats.intervals)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.report.stats import all_of, at_least, kl_bounds, per_sample, shown
+from kvlab.stats.intervals import all_of, at_least, kl_bounds, per_sample, shown
 
 KINDS = ("block_sparse", "cross_layer")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvlab.report.stats import drop_bounds, per_sample, wilson
+from kvlab.stats.intervals import drop_bounds, per_sample, wilson
 
 
 def c17(q: dict, t) -> list[tuple[str, str, str]]:

@@ -1,12 +1,12 @@
 """C3, C4 and C5 from the quantized caches' answers (the answers query: per-sample prose KL, paired task
-answers), decided from intervals (kvlab.report.stats); C10 from quant_kl's stored bytes. No eviction (budget 1)."""
+answers), decided from intervals (kvlab.stats.intervals); C10 from quant_kl's stored bytes. No eviction (budget 1)."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.report.stats import all_of, at_least, at_most, drop_bounds, kl_bounds, per_sample, shown, wilson
+from kvlab.stats.intervals import all_of, at_least, at_most, drop_bounds, kl_bounds, per_sample, shown, wilson
 from kvlab.report.tables import where
 
 
@@ -17,7 +17,7 @@ def _prose(q: dict) -> pd.DataFrame:
 
 def _kl_cells(rows: pd.DataFrame, t, threshold: float) -> list[tuple[str, int, object]]:
     """(method, prefix tokens, betting bounds of the mean per-sample KL tested at `threshold`) per method and prefix
-    length (kvlab.report.stats.kl_bounds)."""
+    length (kvlab.stats.intervals.kl_bounds)."""
     return [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold, t.rule.kl_cap_ratio))
             for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
 

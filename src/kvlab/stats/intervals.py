@@ -2,7 +2,7 @@
 
 - accuracy: a 95% Wilson interval over the answers (scipy.stats.binomtest; partial scores count as their sum).
 - a method's accuracy minus the full cache's (the paired drop): a betting confidence sequence over samples
-  (kvlab.anytime), valid at every n at once, so it keeps its level however the evaluation job stopped drawing
+  (kvlab.stats.anytime), valid at every n at once, so it keeps its level however the evaluation job stopped drawing
   prompts (kvlab.evaluate's rounds stop a cell once it is decided), and at a fixed n too. Its bets are tuned to the
   threshold it will be decided at. A sample is the unit: its rows (turns, question modes pooled into one cell)
   are averaged first, so rows of one sample never count as independent draws, and the samples enter in the order
@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from kvlab.anytime import e_value, samples_to_reach, sequence
+from kvlab.stats.anytime import e_value, samples_to_reach, sequence
 
 LEVEL = 0.95  # every interval's confidence (two-sided for accuracy; one-sided for each bound of a decision)
 Z = stats.norm.ppf(LEVEL)  # one-sided z of the decision bounds (1.645)
@@ -74,7 +74,7 @@ class Bounds:
     sd: float
     min_n: int = 0  # fewer samples than this decide nothing (mean_bounds)
     more_of: Callable[[], float] | None = field(default=None, repr=False, compare=False)  # drop_bounds, kl_bounds:
-    # about how many more samples like these would decide it (kvlab.anytime), computed when asked
+    # about how many more samples like these would decide it (kvlab.stats.anytime), computed when asked
     log_e_safe: float = float("nan")  # drop_bounds, kl_bounds: the logs of the e-values of the tests at the threshold
     log_e_unsafe: float = float("nan")  # (safe, unsafe) at the last sample
     decided_at: int = 0  # drop_bounds: the sample (1-based, in draw order) at which the decision was reached, 0 if open
@@ -130,7 +130,7 @@ def _bootstrap(data: tuple[np.ndarray, ...], statistic) -> tuple[float, float]:
 
 def drop_bounds(full: np.ndarray, method: np.ndarray, threshold: float, share: float = 1.0) -> Bounds:
     """Mean per-sample accuracy drop (share × full − method, in points; share 1: the drop vs the full cache) with
-    its one-sided 95% bounds from the betting confidence sequence of the per-sample drops (kvlab.anytime), in the
+    its one-sided 95% bounds from the betting confidence sequence of the per-sample drops (kvlab.stats.anytime), in the
     order given (the order the samples were drawn), its bets tuned to `threshold` (points), the value it is decided
     at. Scores lie in [0, 1], so a drop lies in [−1, share]; no sample decides anything on its own, and a cell that
     never loses an answer is decided safe at 5 points after 66 samples (tests/test_anytime.py)."""
@@ -149,7 +149,7 @@ TAIL_SHARE = 0.1  # config decision.kl_tail_share's default: the largest share o
 
 def kl_bounds(values: np.ndarray, threshold: float, ratio: float = 5.0, tail_share: float = TAIL_SHARE) -> Bounds:
     """Per-sample KL (nats) against `threshold` θ, in the order given (draw order): `mean` the plain mean; `low`,
-    `high` the one-sided 95% betting bounds (kvlab.anytime) of the capped mean (each sample's KL capped at
+    `high` the one-sided 95% betting bounds (kvlab.stats.anytime) of the capped mean (each sample's KL capped at
     ratio × θ); `tail_high` the upper bound of the share of samples above the cap, `over_cap` their count. Safe
     when high ≤ θ and tail_high ≤ tail_share; unsafe when low ≥ θ (which bounds the plain mean too). The safe test's
     e-value is the smaller of the two tests' (an e-value for either null), decided at the later of their crossings.
