@@ -12,8 +12,8 @@ min_version("9.0")
 # run into those lines (and into the lines of jobs beside them). Run with TQDM_DISABLE= (empty) to see them anyway.
 os.environ.setdefault("TQDM_DISABLE", "1")
 
-from kvlab.config import ConfigError, check_config_files
-from kvlab.runstate import clear_stale_lock, record_owner, say
+from kvlab.state.config import ConfigError, check_config_files
+from kvlab.state.runstate import clear_stale_lock, record_owner, say
 
 try:  # strict YAML (duplicate keys, syntax errors with file:line:column), before Snakemake merges the files
     check_config_files("config.yaml", workflow.config_settings.configfiles)
@@ -34,7 +34,7 @@ include: "rules/collect.smk"
 include: "rules/report.smk"
 
 
-# A lock left by a run that kill -9 stopped is removed when that run is gone (src/kvlab/runstate.py); the run
+# A lock left by a run that kill -9 stopped is removed when that run is gone (src/kvlab/state/runstate.py); the run
 # records itself while it holds the lock (onstart). Files made from a missing one: report_db in rules/common.smk.
 if workflow.exec_mode.name == "DEFAULT":
     say(clear_stale_lock())

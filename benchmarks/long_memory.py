@@ -3,7 +3,7 @@
 One niah_single sample (depth 0.5) at each context length, with the `long` preset's methods in its question modes
 (agnostic and aware), run by the engine as a job runs it (`evaluate_samples`, the noise floor on), once per budget:
 `none` (one wave: every variant together) and each budget in GB (the job's memory.budget_gb: waves planned by
-kvlab.memory). Each point runs in its own process, because peak RSS only grows within one (the job keeps the memory it
+kvlab.state.memory). Each point runs in its own process, because peak RSS only grows within one (the job keeps the memory it
 frees: hardware.keep_freed_memory). A row: context, budget, waves, peak RSS over the loaded model (sampled every 10 ms)
 beside the model's prediction for the same waves, wall seconds, dtype, CPU kind; and every point's rows go to
 long_memory_rows/; a budgeted point's row says whether its rows equal the one-wave point's at the same context
@@ -39,11 +39,11 @@ def rss() -> float:
 def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path, calibration: str) -> dict:
     import torch
 
-    from kvlab.config import resolve
+    from kvlab.state.config import resolve
     from kvlab.engine import evaluate_samples
     from kvlab.evaluate import load_model
     from kvlab.util.hardware import compute_dtype, cpu_kind
-    from kvlab.memory import GB, Row, Shape, estimate, waves_for
+    from kvlab.state.memory import GB, Row, Shape, estimate, waves_for
     from kvlab.methods import build, variants, with_calibration
     from kvlab.tasks import generate
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU device check (README "GPU check"): on a bare GPU machine with torch and triton, install kvlab and the
 # wheels in gpu/wheels/ (make gpu-wheels), then run the CUDA tests, the decode-kernel benchmark, one end-to-end
-# decode point and one 8K evaluation sample's peak memory beside kvlab.memory's prediction, and print one screen of
+# decode point and one 8K evaluation sample's peak memory beside kvlab.state.memory's prediction, and print one screen of
 # results against the targets. Each stage has a time limit (<= 8 min in
 # all); a failed stage does not stop the next. --dry-run: no GPU, no install; the CUDA tests are only collected,
 # the benchmark and the decode point run on the CPU at toy sizes, and the summary reads their rows.

@@ -4,10 +4,10 @@ import re
 
 from snakemake.exceptions import WorkflowError
 
-from kvlab.config import CALIBRATION_TABLES, ConfigError, check_device, dtype_floor_note, resolve
-from kvlab.jobs import run_params as job_params
+from kvlab.state.config import CALIBRATION_TABLES, ConfigError, check_device, dtype_floor_note, resolve
+from kvlab.state.jobs import run_params as job_params
 from kvlab.methods import build, for_task, uses_calibration
-from kvlab.runstate import drop_orphans, say
+from kvlab.state.runstate import drop_orphans, say
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -67,7 +67,7 @@ def dataset_rows(wildcards):
 
 
 def run_params(task=None):
-    """The evaluation knobs a measuring job receives (kvlab.jobs.run_params), with only `task`'s methods."""
+    """The evaluation knobs a measuring job receives (kvlab.state.jobs.run_params), with only `task`'s methods."""
     return job_params(config, METHODS, task)
 
 
@@ -90,7 +90,7 @@ def model_dirs():
 def report_db(wildcards):
     """The report's database. A run that executes (not a dry run or --summary) first removes the files made
     from a missing one, stage by stage: Snakemake rebuilds no missing file whose products exist, so after an
-    interrupted collect it would keep the old report and no database (kvlab.runstate.drop_orphans)."""
+    interrupted collect it would keep the old report and no database (kvlab.state.runstate.drop_orphans)."""
     db = "results/kvlab.duckdb"
     if workflow.exec_mode.name == "DEFAULT" and workflow.execution_settings is not None and not workflow.dryrun:
         say(*drop_orphans([(list(map(str, rules.collect.input)), [db]), ([db], list(map(str, rules.report.output)))]))

@@ -1,4 +1,4 @@
-from kvlab.jobs import job_mem_mb
+from kvlab.state.jobs import job_mem_mb
 
 
 rule workload:

@@ -10,7 +10,7 @@ from kvlab.calibrate import (
     apply_rope, attention_rows, calibrate, calibration_sequences, concentration, leading_sinks, lloyd_grid, project,
     sink_rows,
 )
-from kvlab.config import CALIBRATION_TABLES
+from kvlab.state.config import CALIBRATION_TABLES
 from kvlab.util.corpus import _all_sentences, kjv_sentences
 from kvlab.engine import attention_layers, capture
 

@@ -15,7 +15,7 @@ import yaml
 
 from conftest import hub_cache, job_counts, snakemake, workflow_copy
 from kvlab.compare_runs import compare
-from kvlab.config import resolve
+from kvlab.state.config import resolve
 from slurm_local import PARTITION, Unavailable, jobs, local_slurm
 
 pytestmark = pytest.mark.slow

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import ConfigError, dtype_floor_note, expand, load_schema, resolve
-from kvlab.overlay import select_tasks
+from kvlab.state.config import ConfigError, dtype_floor_note, expand, load_schema, resolve
+from kvlab.state.overlay import select_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
@@ -540,7 +540,7 @@ YAML_BAD = [
 
 @pytest.mark.parametrize("text,overlay,message", YAML_BAD, ids=range(len(YAML_BAD)))
 def test_config_files_are_read_strictly(tmp_path, text, overlay, message):
-    from kvlab.config import check_config_files
+    from kvlab.state.config import check_config_files
 
     f = tmp_path / "c.yaml"
     f.write_text(text)
@@ -553,7 +553,7 @@ def test_config_files_are_read_strictly(tmp_path, text, overlay, message):
 
 
 def test_null_is_fine_in_the_base_file_and_a_good_overlay_passes(tmp_path):
-    from kvlab.config import check_config_files
+    from kvlab.state.config import check_config_files
 
     (tmp_path / "config.yaml").write_text("methods:\n  x: null\n")
     (tmp_path / "o.yaml").write_text("methods:\n  x: {kind: full}\n")
@@ -585,7 +585,7 @@ def test_snakemake_refuses_a_configfile_it_would_misread(tmp_path, text, message
 @pytest.mark.parametrize("text,what", [("", "empty"), ("# nothing but a comment\n", "empty"), ("- models\n- tasks\n", "a list"),
                                        ("just words\n", "the single value 'just words'")])
 def test_a_config_that_is_not_a_mapping_gets_one_line(tmp_path, text, what):
-    from kvlab.config import check_config_files
+    from kvlab.state.config import check_config_files
 
     path = tmp_path / "config.yaml"
     path.write_text(text)
@@ -654,12 +654,12 @@ def test_a_dtype_floor_this_machine_cannot_measure_is_said_once(config, monkeypa
 
 
 def test_the_command_line_prints_usage_and_one_line_errors(capsys, tmp_path):
-    """python -m kvlab.config: --help prints its usage; a missing file or an unknown preset is one line, no traceback."""
-    from kvlab.config import main
+    """python -m kvlab.state.config: --help prints its usage; a missing file or an unknown preset is one line, no traceback."""
+    from kvlab.state.config import main
 
     with pytest.raises(SystemExit) as done:
         main(["--help"])
-    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m kvlab.config [-h] [--expand PRESET] [FILE ...]")
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m kvlab.state.config [-h] [--expand PRESET] [FILE ...]")
     for argv, message in ((["nope.yaml"], "kvlab config: nope.yaml: No such file or directory"),
                           (["--expand", "nope", str(ROOT / "config.yaml")], "kvlab config: config: key 'preset': unknown preset 'nope';")):
         with pytest.raises(SystemExit) as done:

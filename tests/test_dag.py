@@ -18,10 +18,10 @@ import yaml
 
 from conftest import job_counts, snakemake, workflow_copy
 from kvlab.compare_runs import compare
-from kvlab.config import CALIBRATION_TABLES, resolve
+from kvlab.state.config import CALIBRATION_TABLES, resolve
 from kvlab.kernels.block_sparse import read_tokens
 from kvlab.methods import build, kind_of
-from kvlab.sequential import planned
+from kvlab.state.sequential import planned
 from kvlab.tasks import samples_at
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def smoke_config():
 
 def expected_samples(spec: dict, max_samples: int) -> int:
     """Samples over every context length: per grid point, `samples` at each length (one number, or one per length),
-    then rounds up to max_samples (kvlab.sequential.planned). The random tiny model decides no cell in 3 samples (a
+    then rounds up to max_samples (kvlab.state.sequential.planned). The random tiny model decides no cell in 3 samples (a
     cell that loses every answer needs 6), so every job runs to its last round."""
     points = spec.get("depths") or spec.get("from_end_tokens") or [None]
     per_length = spec["samples"] if isinstance(spec["samples"], list) else [spec["samples"]] * len(spec["context_tokens"])

@@ -565,7 +565,7 @@ def configured_eviction_methods() -> dict:
     """Every evicting method of config.yaml's presets that needs no calibration table, by preset/name."""
     import yaml
 
-    from kvlab.config import resolve
+    from kvlab.state.config import resolve
     from kvlab.methods import Method
 
     root = Path(__file__).resolve().parents[1]

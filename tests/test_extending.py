@@ -14,9 +14,9 @@ import torch
 import yaml
 
 from kvlab import tasks
-from kvlab.config import ConfigError, load_schema, resolve
+from kvlab.state.config import ConfigError, load_schema, resolve
 from kvlab.engine import evaluate_sample
-from kvlab.jobs import run_params
+from kvlab.state.jobs import run_params
 from kvlab.kernels import kvcache, layouts
 from kvlab.methods import KINDS, Variant, build, kind_of, variants
 from kvlab.methods.schemes import SCHEMES

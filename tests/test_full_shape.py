@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from conftest import ROOT, snakemake
-from kvlab.config import resolve, with_preset
+from kvlab.state.config import resolve, with_preset
 from kvlab.full_shape import derive, job_peaks, write_config
 
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"

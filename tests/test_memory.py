@@ -63,9 +63,9 @@ def test_rows_in_waves_equal_rows_in_one_wave(tiny, sharp, size):
     assert any(r["diverged_at"] is not None for r in split)  # some rows left the full answer: their decoding was joined
 
 
-# --- the memory model (kvlab.memory) ---
+# --- the memory model (kvlab.state.memory) ---
 
-from kvlab.memory import ARTICLE_MODELS, GB, MemoryBudgetError, Row, Shape, estimate, main  # noqa: E402
+from kvlab.state.memory import ARTICLE_MODELS, GB, MemoryBudgetError, Row, Shape, estimate, main  # noqa: E402
 
 LONG = [Row(1.0, None), Row(1.0, 8), Row(1.0, 4), Row(1.0, 2), Row(0.25, None), Row(0.25, None), Row(0.25, None)]
 
@@ -126,7 +126,7 @@ def test_the_cli_sizes_the_article_models(capsys):
 
 
 def test_free_memory_is_the_jobs_cgroup_limit_where_one_is_set(tmp_path):
-    from kvlab.memory import available_bytes
+    from kvlab.state.memory import available_bytes
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import resolve
-from kvlab.jobs import run_params
+from kvlab.state.config import resolve
+from kvlab.state.jobs import run_params
 from kvlab.methods import KINDS, Method, build, variants
 from kvlab.methods.base import MethodKind
 

@@ -203,10 +203,10 @@ def floor_run(tiny_dir, tmp_path, monkeypatch, **extra):
 
 
 def test_the_dtype_floors_copy_is_loaded_only_while_its_samples_run(tiny_dir, tmp_path, monkeypatch):
-    """A job whose task the dtype floor does not list (kvlab.jobs.run_params gives it no dtype_floor_samples) loads
+    """A job whose task the dtype floor does not list (kvlab.state.jobs.run_params gives it no dtype_floor_samples) loads
     the model once; a listed job loads the floor's copy for the batches holding the floor's samples and lets it go
     after them, so the rest of the job runs beside one copy of the weights."""
-    from kvlab.jobs import run_params
+    from kvlab.state.jobs import run_params
 
     config = {"budgets": [0.5], "question_modes": ["agnostic"], "max_new_tokens": 4, "noise_floor_samples": 0,
               "dtype": "float32", "device": "cpu", "dtype_floor": {"samples": 1, "tasks": ["prose_kl"]}}
@@ -230,7 +230,7 @@ def test_a_jobs_memory_request_follows_the_model_and_the_context():
     """eval_mem_mb covers the peaks measured on Qwen2.5-0.5B in fp32 (issue 53: 9.4 GB at 4K, 15.4 GB at 8K; prose_kl
     10.2 GB at 1K) with room to spare but not twice over, grows with the context and the model's size, adds the dtype
     floor's copy, and asks a GPU job's host only for the process (its weights load to the device)."""
-    from kvlab.jobs import MEM_FLOOR_MB, eval_mem_mb
+    from kvlab.state.jobs import MEM_FLOOR_MB, eval_mem_mb
 
     for tokens, peak in ((1024, 10_200), (4096, 9_400), (8192, 15_400)):
         assert peak < eval_mem_mb(QWEN_0_5B, "float32", "cpu", tokens) < 2 * peak
@@ -252,7 +252,7 @@ def test_a_jobs_memory_is_to_be_decided_until_its_model_is_acquired(tmp_path):
     until the card is there (Snakemake's sign to decide the value when the job is ready), then reads it."""
     import json
 
-    from kvlab.jobs import eval_mem_mb, job_mem_mb
+    from kvlab.state.jobs import eval_mem_mb, job_mem_mb
 
     config = {"dtype": "bfloat16", "device": "cpu", "dtype_floor": {"samples": 5, "tasks": ["prose_kl"]}}
     model = tmp_path / "model"
@@ -277,8 +277,8 @@ def test_the_slurm_profile_asks_each_evaluation_job_for_its_memory_and_a_gpu_on_
     import yaml
 
     from conftest import snakemake, workflow_copy
-    from kvlab.config import resolve
-    from kvlab.jobs import eval_mem_mb
+    from kvlab.state.config import resolve
+    from kvlab.state.jobs import eval_mem_mb
 
     work = workflow_copy(tmp_path / "work")
     model = work / "resources" / "models" / "tiny-qwen2"

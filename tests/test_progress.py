@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from kvlab import resume
+from kvlab.state import resume
 from kvlab.evaluate import run_job
 from kvlab.methods import build
 from kvlab.progress import main

@@ -1,4 +1,4 @@
-"""A killed evaluation job resumes from its checkpoint (kvlab.resume) and writes the rows an uninterrupted run
+"""A killed evaluation job resumes from its checkpoint (kvlab.state.resume) and writes the rows an uninterrupted run
 writes; a checkpoint of another config or code version is never mixed in."""
 
 import logging
@@ -10,7 +10,7 @@ import time
 
 import pandas as pd
 import pytest
-from kvlab import resume
+from kvlab.state import resume
 from kvlab.evaluate import run_job
 from kvlab.methods import build
 from kvlab.models.card import read_card

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import load_schema
+from kvlab.state.config import load_schema
 from kvlab.tasks import ruler
 from kvlab.tasks.base import chat_pieces
 from kvlab.tasks.scoring import score
@@ -239,7 +239,7 @@ def test_vt_on_a_byte_tokenizer_is_refused(tiny):
      r"key 'tasks.r.context_tokens': 128 leaves no prompt: RULER's niah_single_1 counts its 128 tokens_to_generate"),
 ])
 def test_bad_ruler_tasks_are_refused_before_any_job(task, message):
-    from kvlab.config import ConfigError, resolve
+    from kvlab.state.config import ConfigError, resolve
 
     config = yaml.safe_load((ROOT / "config.yaml").read_text())
     config["tasks"]["r"] = task

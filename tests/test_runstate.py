@@ -1,4 +1,4 @@
-"""What an interrupted run leaves: stale locks, missing intermediate files, half-written files (kvlab.runstate,
+"""What an interrupted run leaves: stale locks, missing intermediate files, half-written files (kvlab.state.runstate,
 kvlab.util.io). The real interrupts of the pipeline are in test_dag.py."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvlab import runstate
+from kvlab.state import runstate
 from kvlab.util.io import atomic_path
 
 

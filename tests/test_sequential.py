@@ -1,4 +1,4 @@
-"""An evaluation job's rounds (kvlab.sequential, kvlab.evaluate.run_job) on the tiny model: decided cells stop, the
+"""An evaluation job's rounds (kvlab.state.sequential, kvlab.evaluate.run_job) on the tiny model: decided cells stop, the
 prompts go on to open ones, the draw order only grows, and two runs give the same rows."""
 
 import re
@@ -10,7 +10,7 @@ from kvlab.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
 from kvlab.stats.intervals import drop_bounds, per_sample
 from kvlab.report.decision import Rule
-from kvlab.sequential import cell_drops, open_cells, per_point, planned
+from kvlab.state.sequential import cell_drops, open_cells, per_point, planned
 from kvlab.tasks import generate
 
 METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
@@ -208,13 +208,13 @@ def test_a_time_limit_stops_a_job_after_its_round_and_rows_say_so(tmp_path, tiny
 
 def test_the_time_limit_is_opt_in_and_leaves_a_run_without_it_unchanged():
     """sequential.stop_after_minutes is absent by default: the jobs' params (Snakemake reruns a job whose params
-    change; kvlab.resume keys checkpoints on them) are those of a run before it existed; set, it reaches each job."""
+    change; kvlab.state.resume keys checkpoints on them) are those of a run before it existed; set, it reaches each job."""
     from pathlib import Path
 
     import yaml
 
-    from kvlab.config import ConfigError, resolve
-    from kvlab.jobs import run_params
+    from kvlab.state.config import ConfigError, resolve
+    from kvlab.state.jobs import run_params
 
     root = Path(__file__).resolve().parents[1]
     base = yaml.safe_load((root / "config.yaml").read_text())

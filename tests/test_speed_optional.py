@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvlab.config import ConfigError, resolve
+from kvlab.state.config import ConfigError, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"

@@ -148,7 +148,7 @@ def test_chat_mix_rows_render_and_default_to_agreement(chats, tiny):
 def test_every_recipe_is_in_the_schema_and_runnable():
     from conftest import ROOT
 
-    from kvlab.config import load_schema
+    from kvlab.state.config import load_schema
 
     schema = load_schema(ROOT / "workflow" / "config.schema.yaml")
     dataset_spec = next(b["then"] for b in schema["$defs"]["task"]["allOf"] if b["if"]["properties"]["kind"].get("const") == "dataset")

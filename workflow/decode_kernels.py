@@ -1,7 +1,7 @@
 """Rule decode_kernels: decode-attention time and GB/s per storage format and path (CUDA) → results/speed/decode_kernels/{model}.parquet."""
 
 from kvlab.util.io import log_to
-from kvlab.jobs import run_settings
+from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 

@@ -1,7 +1,7 @@
 """Rule engine_vs_pipeline: the same grid by kvlab's engine and by kvpress's pipeline (wall time, agreement)."""
 
 from kvlab.util.io import log_to
-from kvlab.jobs import run_settings
+from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 

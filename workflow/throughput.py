@@ -1,7 +1,7 @@
 """Rule throughput: decode tokens/s per method and batch size → results/speed/throughput/{model}/{ctx}.parquet."""
 
 from kvlab.util.io import log_to
-from kvlab.jobs import run_settings
+from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 

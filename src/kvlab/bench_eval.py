@@ -23,16 +23,16 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvlab.config import resolve
+from kvlab.state.config import resolve
 from kvlab.evaluate import run_job
-from kvlab.jobs import run_params
+from kvlab.state.jobs import run_params
 from kvlab.methods import build, with_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict, dict]:
-    """The task's spec and the `run` dict the evaluate rule would hand this job (kvlab.jobs.run_params, the config
+    """The task's spec and the `run` dict the evaluate rule would hand this job (kvlab.state.jobs.run_params, the config
     validated against this checkout's schema), without rounds: a timed job scores the task's samples, the same
     work on both sides of an A/B."""
     config = yaml.safe_load(config_path.read_text())

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kvlab.config import CALIBRATION_TABLES
+from kvlab.state.config import CALIBRATION_TABLES
 from kvlab.util.corpus import kjv_sentences, prose_ids
 from kvlab.engine import attention_layers, capture, decoder_layers, is_sliding, project
 from kvlab.util.io import write_parquet

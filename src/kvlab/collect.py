@@ -12,7 +12,7 @@ import duckdb
 import pandas as pd
 
 from kvlab.util.columns import DECODE_KERNEL_COLUMNS, ENGINE_VS_PIPELINE_COLUMNS, EVAL_COLUMNS, THROUGHPUT_COLUMNS
-from kvlab.config import CALIBRATION_TABLES
+from kvlab.state.config import CALIBRATION_TABLES
 from kvlab.util.io import atomic_path, read_parquet
 from kvlab.models.card import read_card
 from kvlab.report.build import load_queries

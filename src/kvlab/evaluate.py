@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from kvlab import memory, resume
+from kvlab.state import memory, resume
 from kvlab.engine import evaluate_samples
 from kvlab.util.hardware import device_name, keep_freed_memory, other_dtype
 from kvlab.util.io import write_parquet
@@ -22,7 +22,7 @@ from kvlab.methods import variants
 from kvlab.models.acquire import DTYPES
 from kvlab.models.card import read_card
 from kvlab.report.decision import Rule
-from kvlab.sequential import open_cells, per_point, planned
+from kvlab.state.sequential import open_cells, per_point, planned
 from kvlab.tasks import generate, max_new_tokens, samples_at
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def time_up(plan: dict, elapsed: float) -> bool:
 
 
 def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
-    """The job's prompts in draw order, as many as it may reach (kvlab.sequential.planned), and how many the first
+    """The job's prompts in draw order, as many as it may reach (kvlab.state.sequential.planned), and how many the first
     round takes (the task's `samples` per grid point)."""
     initial = generate(task, spec, tokenizer, context_tokens)
     total = planned(spec, len(initial), max_samples)
@@ -186,14 +186,14 @@ def run_job(
     noise_floor_samples (the noise floor is measured on the job's first samples; default: all), dtype_floor_samples
     (the first samples whose full rows the model in the other compute dtype reads again; default: none), and
     sequential ({max_samples, round, rule: the Rule fields it stops on}; default: the task's samples only). The job runs in rounds
-    (kvlab.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
+    (kvlab.state.sequential): the task's samples on every variant, then `round` more prompts at a time on the full cache
     and the variants with a cell still open, until none is or max_samples prompts ran, or, with
     sequential.stop_after_minutes N, until a round ends after N minutes of the job's evaluation (`time_up`). Rows
     record the sample's `draw` (its index in draw order), its `round`, that round's wall seconds `round_s`, the job's
     `max_samples` and why it stopped (`stopped_by`: "decided", "max_samples" or "time").
     Progress goes to the log after each batch of samples and, from a heartbeat thread, at least every HEARTBEAT_S
     seconds within one (rows so far, rows per second, time left).
-    After each chunk of samples the job saves a checkpoint beside `out_path` (kvlab.resume); a rerun of the same job
+    After each chunk of samples the job saves a checkpoint beside `out_path` (kvlab.state.resume); a rerun of the same job
     continues from it and writes the rows an uninterrupted run would (timing columns aside).
     """
     torch.set_num_threads(run["threads"])

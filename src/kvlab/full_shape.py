@@ -21,7 +21,7 @@ import pandas as pd
 import yaml
 
 from kvlab.collect import read_benchmarks
-from kvlab.config import with_preset
+from kvlab.state.config import with_preset
 from kvlab.util.io import PEAK_RSS, write_parquet
 from kvlab.tasks import max_new_tokens
 
@@ -32,7 +32,7 @@ TINY = {"source": "tiny", "architecture": "qwen2", "layers": 2, "hidden_size": 6
 
 def derive(config: dict, preset: str = PRESET) -> dict:
     """`config` (config.yaml as read, presets included) with `preset` applied as the pipeline applies it (an overlay,
-    kvlab.config.with_preset), then made to run on a CPU: the tiny model (positions enough for the longest
+    kvlab.state.config.with_preset), then made to run on a CPU: the tiny model (positions enough for the longest
     context and its decoding), cpu, float32, one sample per task cell (no rounds)."""
     presets = config.get("presets") or {}
     if preset not in presets:

@@ -5,7 +5,7 @@
   context once; the dense cache and its KIVI INT4 compression are each decoded as a batch of copies, eagerly and
   as one step replayed from a CUDA graph (``benchmark.graph_step``). One Parquet row per cache.
 * ``memory``: one evaluation sample at 8K (niah_single, the `long` preset's methods) on the same random model, in the
-  waves kvlab.memory plans: the peak allocated beside the memory model's prediction. One Parquet row.
+  waves kvlab.state.memory plans: the peak allocated beside the memory model's prediction. One Parquet row.
 * ``summary``: one screen of the decode-kernel rows (``python -m kvlab.kernel_bench``) and the end-to-end rows
   against the targets of issue 23, PASS or FAIL each.
 """
@@ -93,14 +93,14 @@ LONG_METHODS = {
 
 def memory(context: int, device: str, dtype: str, layers: int, share: float) -> pd.DataFrame:
     """One evaluation sample (niah_single, depth 0.5, both question modes, the `long` methods at 25%) on a model with
-    Qwen2.5-0.5B's configuration and random weights, its variants in the waves kvlab.memory plans under `share` of the
+    Qwen2.5-0.5B's configuration and random weights, its variants in the waves kvlab.state.memory plans under `share` of the
     free device memory: the peak the engine allocated over the loaded model (torch.cuda.max_memory_allocated; on a
     CPU, peak RSS is not tracked here: benchmarks/long_memory.py) beside the memory model's prediction. One row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvlab.engine import ATTENTION, evaluate_samples
     from kvlab.util.hardware import device_name
-    from kvlab.memory import GB, job_waves
+    from kvlab.state.memory import GB, job_waves
     from kvlab.methods import build, variants
     from kvlab.models.tiny import byte_level_tokenizer
     from kvlab.tasks import GENERATORS
@@ -208,7 +208,7 @@ def summary(kernels_path: Path, e2e_path: Path, context: int, batch: int, gb_per
         for r in mem.itertuples():
             lines.append(f"memory: {r.model}, one {r.context_tokens}-token sample, {r.variants} variants in {r.waves} "
                          f"wave(s) ({r.dtype}, {r.device}): peak {r.peak_over_loaded_gb:.2f} GB allocated over the loaded "
-                         f"model, kvlab.memory predicted {r.predicted_gb:.2f} GB ({r.peak_over_loaded_gb / r.predicted_gb:.2f}x)")
+                         f"model, kvlab.state.memory predicted {r.predicted_gb:.2f} GB ({r.peak_over_loaded_gb / r.predicted_gb:.2f}x)")
     if kernels.empty:
         lines.append(f"decode kernels: no rows ({kernels_path} missing)")
     else:

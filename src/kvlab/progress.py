@@ -3,7 +3,7 @@
     python -m kvlab.progress [--results results] [--config config.yaml] [--preset NAME]
 
 It reads the finished evaluation jobs (results/eval/<model>/<task>/<context>.parquet) and the checkpoints of the
-running ones (`<output>.partial`, kvlab.resume: the rows so far), and prints one line per job cell (model, task,
+running ones (`<output>.partial`, kvlab.state.resume: the rows so far), and prints one line per job cell (model, task,
 context length, question mode, method, budget): decided or open, n, its bounds and, for an open cell, about how many
 more prompts it needs. It decides them as the report does (the report's `answers` query, kvlab.report.decision
 with the Rule of the config's `decision`) and writes results/progress.html in the report's style.
@@ -27,7 +27,7 @@ import yaml
 
 from kvlab.collect import _with_columns, joined
 from kvlab.util.columns import EVAL_COLUMNS
-from kvlab.config import resolve
+from kvlab.state.config import resolve
 from kvlab.util.io import atomic_path, read_parquet
 from kvlab.report.build import CSS, load_queries
 from kvlab.report.decision import Rule, cells, why_open

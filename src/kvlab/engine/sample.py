@@ -110,7 +110,7 @@ def evaluate_samples(
     `NoiseRequest`). With `other` (the model loaded in another compute dtype), the full rows of the first
     `other_samples` samples (None: every sample) are also read by it (`floors.dtype_floor`): the noise floor of the
     compute dtype. `open_modes` ((method, budget) -> question modes; None: all) names the modes each variant still
-    needs (kvlab.sequential): a variant is compressed and decoded only for the compressions that give one of its modes
+    needs (kvlab.state.sequential): a variant is compressed and decoded only for the compressions that give one of its modes
     (it still gets every row those compressions give). `on_rows`, if given, is called with the number of rows each
     sample adds once its teacher-forced passes are done (its diverged rows' answers may still wait for the joint
     decode; a job's progress lines). `waves`: how each compression's variants are split into waves that fit the job's
@@ -265,7 +265,7 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
     freed once used. `open_modes`: as in `evaluate_samples`. `waves` (variants, reference index, context tokens) ->
     lists of variant indices, each with the reference: the variants compressed, teacher-forced and decoded together
     (with several waves, a wave's diverged rows too), one wave's caches freed before the next is compressed
-    (kvlab.memory plans them under the job's budget; None: one wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
+    (kvlab.state.memory plans them under the job's budget; None: one wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
     sample = pl.sample
     makers, runs, count = [], [], 0
     every, every_ref = variants, ref
@@ -420,7 +420,7 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
             "compress_s": compress_s[i],
             "decode_s": timing["decode_s"],
             "decode_batch": batch[i],
-            "waves": timing["waves"],  # the waves the compression's variants ran in (kvlab.memory: the job's budget)
+            "waves": timing["waves"],  # the waves the compression's variants ran in (kvlab.state.memory: the job's budget)
             "teacher_forced_s": timing["teacher_forced_s"],
             "new_tokens": len(answers[i]),
             # where the row's greedy choice first left the full cache's answer (None: never, so its

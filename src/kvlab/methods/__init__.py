@@ -9,7 +9,7 @@ published, scoring at every decoding step), and the quantized caches ``quant`` (
 ``prompt_compression`` (``kvlab.methods.prompt``: LLMLingua-style token dropping before the prompt is cached) and
 ``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision). A
 method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
-(a `MethodKind` declaring its parameters in its `Params`, from which kvlab.config makes the kind's branch of the
+(a `MethodKind` declaring its parameters in its `Params`, from which kvlab.state.config makes the kind's branch of the
 config schema) and one line in `KINDS` (README "Extending kvlab").
 
 A config entry becomes a typed `Method` once (`build`, after the config is validated): its kind object holds the

@@ -2,7 +2,7 @@
 every snakemake start validates the config): its dataclass init fields (names, annotations, literal defaults,
 inherited ones too) and the range checks its ``__post_init__`` asserts.
 
-Config validation (``kvlab.config``) checks a method's ``kwargs`` against its press and ``wrapper_kwargs``
+Config validation (``kvlab.state.config``) checks a method's ``kwargs`` against its press and ``wrapper_kwargs``
 against its wrapper with :func:`kwargs_problem`: unknown names (with "did you mean"), values of the wrong type
 for an ``int`` / ``float`` / ``bool`` / ``str`` field, and ranges. Ranges are the press's own asserts on its
 fields (e.g. MergingPress ``0.0 < merge_fraction <= 1.0``, AdaKVPress ``0 <= alpha_safeguard <= 1``, LUKVPress

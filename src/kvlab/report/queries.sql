@@ -56,7 +56,7 @@ ORDER BY model, method, budget DESC, context_tokens;
 -- answer to the same prompt; on prose (no answers to score) each sample's per-token KL to the full cache (the
 -- mean over its teacher-forced tokens); and the bytes stored as a fraction of the full cache in bf16.
 -- prompt_sha1 names the prompt (every token id it feeds), so a repeated prompt shows; draw, round and
--- max_samples say when the evaluation job drew the sample (kvlab.sequential), round_s its round's seconds and
+-- max_samples say when the evaluation job drew the sample (kvlab.state.sequential), round_s its round's seconds and
 -- stopped_by why its job stopped (decided, max_samples, or time: sequential.stop_after_minutes). The decision
 -- table and the statistical claims bound these rows by sample, in draw order.
 WITH scored AS (SELECT * FROM eval WHERE metric <> 'none'),
@@ -230,7 +230,7 @@ SELECT job, s AS wall_s, max_rss AS max_rss_mb FROM benchmarks ORDER BY job;
 
 -- name: length_costs
 -- Per evaluation job (model, task, context length): its samples, seconds per sample and peak RSS (Snakemake's
--- benchmark file), the most waves a sample ran in under the job's memory budget (kvlab.memory), the dtype and CPU
+-- benchmark file), the most waves a sample ran in under the job's memory budget (kvlab.state.memory), the dtype and CPU
 -- kind it ran on, and why it measured no dtype floor where its task lists one.
 WITH jobs AS (
     SELECT model, task, context_tokens, count(DISTINCT sample_id) AS samples, max(waves) AS waves,

@@ -1,5 +1,5 @@
 """Task kinds: one module per kind, one line here. A kind's module declares its parameters in `Params` (from which
-kvlab.config makes the kind's branch of the config schema: kvlab.util.params, kvlab.tasks.params), has `generate(task
+kvlab.state.config makes the kind's branch of the config schema: kvlab.util.params, kvlab.tasks.params), has `generate(task
 name, its config entry, the model's tokenizer, a context length)`, which returns seeded, deterministic Samples
 (`generate` below calls it with the entry's `samples` for that length), and may have `problem(name, spec)`, the entry's first problem the schema cannot
 express as (key under the task, what is wrong and what would be right) or None, and `derive(name, spec)`, which fills

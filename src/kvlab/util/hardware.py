@@ -69,7 +69,7 @@ def compute_dtype(requested: str, device: str) -> str:
 def hand_back() -> bool:
     """Hand the memory this process has freed back to the kernel now (glibc's malloc_trim; False elsewhere). With
     `keep_freed_memory` the heap keeps every freed block for reuse, so peak RSS is the high-water mark of every phase
-    so far, fragmented: an evaluation sample run in waves under a memory budget (kvlab.memory) calls this before each
+    so far, fragmented: an evaluation sample run in waves under a memory budget (kvlab.state.memory) calls this before each
     wave, so that what a wave holds is what it uses (measured: one 8K sample in two waves, 2.31 GB of RSS over the
     loaded model without it, beside 2.37 GB for one wave)."""
     try:

@@ -6,7 +6,7 @@ allowed, ``X | None`` for a key that may be left out without a default), the def
 the key is required), the doc its description, and keyword arguments add the JSON-schema keywords the type cannot
 say (``minimum=1``, ``pattern=...``, ``items={...}``). A class variable `SCHEMA` adds keywords of the whole entry
 (e.g. ``oneOf``). `definition` turns a registry of kinds into the schema of a config entry: its `kind` one of them,
-and one if/then branch per kind allowing exactly that kind's keys; kvlab.config fills `$defs.method` and
+and one if/then branch per kind allowing exactly that kind's keys; kvlab.state.config fills `$defs.method` and
 `$defs.task` of workflow/config.schema.yaml with it each time it loads the schema, so nothing is generated into
 a file.
 """

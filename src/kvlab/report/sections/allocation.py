@@ -114,7 +114,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     lossless, stop = lossless_samples(rule.tolerance_points), lossless_samples(rule.tolerance_points, rule.stop_e)
     quiet = quiet_kl_samples(rule.kl_safe, rule.kl_cap_ratio, rule.kl_tail_share)
     return (
-        f"<p>Each evaluation job runs in rounds (config <code>sequential</code>, src/kvlab/sequential.py): its task's "
+        f"<p>Each evaluation job runs in rounds (config <code>sequential</code>, src/kvlab/state/sequential.py): its task's "
         f"first samples on every method, then a few prompts at a time on the full cache and on the methods with a cell "
         f"still open, until none is or the job reaches <code>max_samples</code>. Cells that fail fast stop early, "
         f"and the prompts go to the cells that look lossless, the only ones that can be called safe. The bounds behind "

@@ -94,4 +94,4 @@ def costs(jobs: pd.DataFrame, rows: pd.DataFrame) -> str:
     return ("<h3>What each length cost</h3><p class='note'>Per evaluation job: seconds per sample (its wall time over "
             "its samples, every method and question mode together) and its peak memory (peak RSS of the whole job, "
             "model included; empty where the job has no benchmark file), with the dtype and CPU it ran on. A sample's "
-            f"variants ran in as many waves as its memory budget needed (kvlab.memory).{note}</p>" + table(jobs))
+            f"variants ran in as many waves as its memory budget needed (kvlab.state.memory).{note}</p>" + table(jobs))

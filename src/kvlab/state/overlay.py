@@ -1,5 +1,5 @@
 """Presets as overlays, and tasks picked from the catalogue: how config.yaml's layers make one effective config
-(kvlab.config validates it). Nothing here reads the schema."""
+(kvlab.state.config validates it). Nothing here reads the schema."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The memory model: what one evaluation sample holds at its peak, per phase, and the waves that keep it under a budget.
 
-    python -m kvlab.memory --model NAME|config.json --context N [--preset P] [--task T] [--device-gb G] [--dtype D]
+    python -m kvlab.state.memory --model NAME|config.json --context N [--preset P] [--task T] [--device-gb G] [--dtype D]
 
 An evaluation job holds, over its loaded model (one sample at a time past 8K tokens; `evaluate.samples_at_once`):
 
@@ -15,7 +15,7 @@ An evaluation job holds, over its loaded model (one sample at a time past 8K tok
 Each term is a count of tensor elements from the model's shape (config.json) times the compute dtype's bytes, times a
 factor for what the allocator and the kernels' temporaries add on top (`FACTORS`), fitted to peak RSS over the
 loaded model measured on a CPU (benchmarks/long_memory.py, rows in results/benchmarks/long_memory.parquet). The engine
-plans each sample's waves with `waves_for` under the job's `memory.budget_gb`; `python -m kvlab.memory` prints the
+plans each sample's waves with `waves_for` under the job's `memory.budget_gb`; `python -m kvlab.state.memory` prints the
 same estimate before a run.
 """
 
@@ -298,7 +298,7 @@ def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[
     prompt too where a question mode needs it, and teacher-force the full cache's answer (at most max_new_tokens)."""
     import yaml
 
-    from kvlab.config import resolve
+    from kvlab.state.config import resolve
     from kvlab.methods import build, variants
 
     config = yaml.safe_load(Path(config_path).read_text())
@@ -319,7 +319,7 @@ def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.memory", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvlab.state.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help=f"an acquired model's name, a config.json, or one of {', '.join(ARTICLE_MODELS)}")
     parser.add_argument("--context", type=int, required=True, help="prompt tokens of one sample")
     parser.add_argument("--preset", help="the config preset whose jobs run (default: the config's own)")

@@ -20,7 +20,7 @@ RUN_KEYS = ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples"
 def run_params(config: dict, methods: Mapping[str, Method], task: str | None = None) -> dict:
     """The evaluation knobs a measuring job receives (threads are added from the job): the typed `methods` (built
     once from config['methods'], kvlab.methods.build) and, with `task`, only those that run on it, so adding a
-    method limited to some tasks reruns only those tasks' jobs; the task's rounds (kvlab.sequential), decided at
+    method limited to some tasks reruns only those tasks' jobs; the task's rounds (kvlab.state.sequential), decided at
     the report's thresholds; the dtype floor's samples on its tasks only."""
     run = {key: config[key] for key in RUN_KEYS}
     floor = config["dtype_floor"]  # only its tasks' jobs get the key: listing a task reruns that task's jobs alone
@@ -41,7 +41,7 @@ def run_params(config: dict, methods: Mapping[str, Method], task: str | None = N
 
 
 def run_settings(smk) -> dict:
-    """A measuring job's `run` dict: the rule's params, its threads and memory budget (kvlab.memory; the same rows
+    """A measuring job's `run` dict: the rule's params, its threads and memory budget (kvlab.state.memory; the same rows
     under any budget, so changing it reruns nothing), `dtype: auto` resolved on the machine that
     runs the job (kvlab.util.hardware.compute_dtype), and methods with calibrated values filled in from the job's
     calibration input (when it has one)."""

@@ -1,4 +1,4 @@
-"""Config loading: pick the preset (laid over the top level, its tasks picked from the catalogue: kvlab.overlay),
+"""Config loading: pick the preset (laid over the top level, its tasks picked from the catalogue: kvlab.state.overlay),
 validate against the JSON schema (Snakemake's `validate`, which also fills defaults), and turn the first problem
 into one line naming the key and what is allowed."""
 
@@ -13,7 +13,7 @@ import yaml
 from kvlab import tasks
 from kvlab.kernels.accounting import Scheme
 from kvlab.methods import KINDS, kind_of, press_source
-from kvlab.overlay import CATALOG, OVERLAY, ConfigError, select_tasks, with_preset  # presets, the task catalogue
+from kvlab.state.overlay import CATALOG, OVERLAY, ConfigError, select_tasks, with_preset  # presets, the task catalogue
 from kvlab.util import params
 
 
@@ -71,7 +71,7 @@ def check_yaml(path: str | Path, overlay: bool = False) -> None:
 
 def resolve(config: dict, schema_path: str | Path) -> dict:
     """Return the validated config with the selected preset applied, its tasks made whole from `task_catalog` (which
-    it leaves out: kvlab.overlay.select_tasks) and defaults filled.
+    it leaves out: kvlab.state.overlay.select_tasks) and defaults filled.
 
     Every preset is checked, not only the selected one, so a broken preset is found before it is used.
     """
@@ -320,12 +320,12 @@ def expand(config: dict, schema_path: str | Path, name: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """python -m kvlab.config: check config files as the workflow does before it runs, or print a preset's expansion."""
+    """python -m kvlab.state.config: check config files as the workflow does before it runs, or print a preset's expansion."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m kvlab.config",
+        prog="python -m kvlab.state.config",
         description="Check config files for YAML syntax errors and duplicate keys (with file:line:column), as the "
                     "workflow does before it runs; or print a preset's effective config.")
     parser.add_argument("files", nargs="*", metavar="FILE", help="config files to check, e.g. config.yaml mine.yaml")
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.expand is not None:
             path = Path(args.files[0] if args.files else "config.yaml")
             check_yaml(path)
-            schema = Path(__file__).resolve().parents[2] / "workflow" / "config.schema.yaml"
+            schema = Path(__file__).resolve().parents[3] / "workflow" / "config.schema.yaml"
             print(yaml.safe_dump(expand(yaml.safe_load(path.read_text()), schema, args.expand), sort_keys=False), end="")
             return
         for arg in args.files:
