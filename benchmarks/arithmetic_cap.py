@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 
 from kvlab.engine import decode_references, prefill, stop_ids
-from kvlab.evaluate import load_model
+from kvlab.steps.evaluate import load_model
 from kvlab.util.hardware import compute_dtype
 from kvlab.util.io import write_parquet
 from kvlab.tasks import GENERATORS

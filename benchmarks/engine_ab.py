@@ -22,7 +22,7 @@ import torch
 
 from kvlab.bench_eval import job_settings
 from kvlab.engine import evaluate_samples, tuning
-from kvlab.evaluate import load_model, noise_samples
+from kvlab.steps.evaluate import load_model, noise_samples
 from kvlab.util.hardware import cpu_kind, device_name
 from kvlab.util.io import write_parquet
 from kvlab.methods import variants, with_calibration

@@ -41,7 +41,7 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
 
     from kvlab.state.config import resolve
     from kvlab.engine import evaluate_samples
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
     from kvlab.util.hardware import compute_dtype, cpu_kind
     from kvlab.state.memory import GB, Row, Shape, estimate, waves_for
     from kvlab.methods import build, variants, with_calibration

@@ -1,7 +1,7 @@
 """Decided cells per CPU-hour: a run's grid at a fixed n against the same grid in rounds (issue 36's benchmark).
 
 Round 1 of every evaluation job is the fixed-n grid itself: every variant, every question mode, the task's
-`samples`, in the same batches (kvlab.evaluate). So one finished run gives both sides on the same machine, in one
+`samples`, in the same batches (kvlab.steps.evaluate). So one finished run gives both sides on the same machine, in one
 run: fixed-n = the rows and wall seconds of round 1, adaptive = every round; a third row projects the cost of a
 fixed grid sized to decide a lossless cell (every variant on max_samples prompts). Cells are the decision table's
 (kvlab.report.decision.cells over the `answers` query); CPU-hours are the rounds' wall seconds × the job's threads.

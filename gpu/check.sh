@@ -73,7 +73,7 @@ else
 fi
 "$py" -c 'import torch, triton, transformers; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))'
 stage tests 150 "${tests_cmd[@]}"
-stage kernels 120 "$py" -m kvlab.kernel_bench --shape 8,32,128 --shape 2,14,64 "${bench_args[@]}" --out "$out/kernels.parquet"
+stage kernels 120 "$py" -m kvlab.steps.kernel_bench --shape 8,32,128 --shape 2,14,64 "${bench_args[@]}" --out "$out/kernels.parquet"
 stage e2e 120 "$py" -m kvlab.gpu_check e2e "${e2e_args[@]}" --out "$out/e2e.parquet"
 stage memory 180 "$py" -m kvlab.gpu_check memory "${mem_args[@]}" --out "$out/memory.parquet"
 echo "== summary"

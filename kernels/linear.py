@@ -16,7 +16,7 @@ product at 1, 8 and 512 rows in both dtypes), so kvlab calls the two operators d
 - bf16: torch's CPU ``linear`` runs oneDNN's bf16 GEMM as well, and the packed product equals it bitwise
   (tests/test_linear.py);
 - fp32: ``linear`` runs MKL's SGEMM, oneDNN's sums in another order: equal within fp32 rounding, not bitwise. A job
-  loads its model once and packs it (``kvlab.evaluate.load_model``), so every answer and KL of a job, batched or
+  loads its model once and packs it (``kvlab.steps.evaluate.load_model``), so every answer and KL of a job, batched or
   one method at a time, goes through the same kernel.
 """
 

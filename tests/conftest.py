@@ -94,7 +94,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     return load_model(tiny_dir, "float32", "cpu")
 
@@ -107,7 +107,7 @@ def qwen_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen(qwen_dir):
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     return load_model(qwen_dir, "float32", "cpu")
 
@@ -115,8 +115,8 @@ def qwen(qwen_dir):
 def sharpened(model_dir: Path, dtype=torch.float32):
     """The tiny model with its matrices scaled up 15x: the random model at its own scale answers every prompt
     with one token whatever the cache holds; this one's answers depend on what each cache kept. In `dtype`, and
-    packed as a job's model is (kvlab.evaluate.ready)."""
-    from kvlab.evaluate import load_model, ready
+    packed as a job's model is (kvlab.steps.evaluate.ready)."""
+    from kvlab.steps.evaluate import load_model, ready
 
     model = load_model(model_dir, "float32", "cpu", verify=False, pack=False)[0]
     with torch.no_grad():

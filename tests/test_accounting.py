@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvlab.costs import article_cost_table, human_bytes
+from kvlab.steps.costs import article_cost_table, human_bytes
 from kvlab.kernels.accounting import (
     DEEPSEEK_V3_MLA,
     LLAMA_31_70B,

@@ -252,7 +252,7 @@ def gemma_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_dir):
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     return load_model(gemma_dir, "float32", "cpu")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvlab.calibrate import (
+from kvlab.steps.calibrate import (
     apply_rope, attention_rows, calibrate, calibration_sequences, concentration, leading_sinks, lloyd_grid, project,
     sink_rows,
 )

@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from kvlab.evaluate import check_lengths, run_job
+from kvlab.steps.evaluate import check_lengths, run_job
 from kvlab.methods import build
 from kvlab.tasks import dataset, generate
 

@@ -97,7 +97,7 @@ def cost_verdict(costs: pd.DataFrame) -> tuple[str, str, str]:
 
 
 def test_cost_verdict_names_the_figures_it_cannot_reproduce():
-    from kvlab.costs import article_cost_table
+    from kvlab.steps.costs import article_cost_table
 
     rows = pd.DataFrame(article_cost_table())
     claim, verdict, evidence = cost_verdict(rows)
@@ -287,7 +287,7 @@ def test_the_database_keeps_flips_as_a_view():
     the same counts as the decision table's, from the eval rows (the full cache's rows beside each method's)."""
     import duckdb
 
-    from kvlab.collect import add_views
+    from kvlab.steps.collect import add_views
 
     cell = pd.DataFrame(flipped("snapkv", 3, 2) + flipped("snapkv", 4, 0, rows=50, ctx=1024))
     full = cell.assign(method="full", method_kind="full", budget=1.0, score=cell["full_score"])

@@ -538,10 +538,10 @@ def test_a_decode_step_replayed_from_a_cuda_graph_computes_the_eager_step(tiny_d
     """benchmark.graph_step captures the fourth decode step of a batch (quantized rows through the kernel) and
     times its replays; what the replays compute is the token eager decoding gives at that step."""
 
-    from kvlab.benchmark import graph_step
+    from kvlab.steps.benchmark import graph_step
     from kvlab.engine import greedy_decode
 
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     model = load_model(tiny_dir, "float32", "cuda", verify=False)[0]
     p = sample.prompt

@@ -94,6 +94,6 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
 def test_the_device_steps_import_without_the_workflow_packages():
     """The device machine has no kvpress, snakemake, duckdb or jsonschema: what gpu/check.sh runs imports without."""
     blocked = "import sys; sys.modules.update(dict.fromkeys(['kvpress', 'snakemake', 'duckdb', 'jsonschema']))"
-    code = f"{blocked}; import kvlab.gpu_check, kvlab.benchmark, kvlab.kernel_bench"
+    code = f"{blocked}; import kvlab.gpu_check, kvlab.steps.benchmark, kvlab.steps.kernel_bench"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlab.engine import compress, prefill
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.methods import build, variants
 from kvlab.tasks import generate
 

@@ -3,7 +3,7 @@ engine's answers equal to kvpress's own pipeline."""
 
 import pytest
 
-from kvlab.benchmark import engine_vs_pipeline
+from kvlab.steps.benchmark import engine_vs_pipeline
 from kvlab.engine import evaluate_sample
 from kvlab.methods import build, variants
 from kvlab.tasks import GENERATORS

@@ -35,7 +35,7 @@ def flip(path, offset, n=256):
 
 
 def test_flipped_weight_bytes_are_refused_before_anything_is_written(model_dir, tmp_path):
-    from kvlab.evaluate import load_model, run_job
+    from kvlab.steps.evaluate import load_model, run_job
 
     weights = model_dir / "model.safetensors"
     flip(weights, weights.stat().st_size // 2)  # inside the tensor data: the file still loads, with wrong values
@@ -79,7 +79,7 @@ def test_a_tiny_card_without_weights_uses_its_sha256(model_dir):
 
 
 def test_truncated_parquet_is_named(tmp_path):
-    from kvlab.collect import _concat
+    from kvlab.steps.collect import _concat
 
     good, bad = tmp_path / "good.parquet", tmp_path / "bad.parquet"
     pd.DataFrame({"x": torch.arange(100).tolist()}).to_parquet(good)

@@ -1,4 +1,4 @@
-"""The decode-kernel benchmark (kvlab.kernel_bench): on the CPU at toy sizes (Triton interpreted, so no timing
+"""The decode-kernel benchmark (kvlab.steps.kernel_bench): on the CPU at toy sizes (Triton interpreted, so no timing
 claim), it writes one row per format × path × context × batch with the bytes each path must read, and the report
 draws its section from such rows — or says it was not measured when the run had no CUDA."""
 
@@ -10,7 +10,7 @@ import duckdb
 import pytest
 import torch
 
-from kvlab import kernel_bench
+from kvlab.steps import kernel_bench
 from kvlab.report.build import build
 
 CARD = {"name": "toy", "num_kv_heads": 2, "num_query_heads": 4, "head_dim": 16}

@@ -35,9 +35,9 @@ def test_packed_product_is_linear(dtype, bias):
 
 
 def test_packed_model_answers_as_the_plain_one(tiny, tiny_dir):
-    """A job's model (kvlab.evaluate.load_model) has every linear layer packed, the LM head too with its tied
+    """A job's model (kvlab.steps.evaluate.load_model) has every linear layer packed, the LM head too with its tied
     embeddings kept: its logits within fp32 rounding of the same weights loaded plainly, greedy tokens identical."""
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     model, _ = tiny
     plain = load_model(tiny_dir, "float32", "cpu", verify=False, pack=False)[0]

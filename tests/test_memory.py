@@ -102,7 +102,7 @@ def test_waves_fit_the_budget_and_hold_the_reference():
 
 
 def test_a_job_whose_budget_fits_no_variant_stops_before_any_work(tiny_dir, tmp_path):
-    from kvlab.evaluate import run_job
+    from kvlab.steps.evaluate import run_job
     from kvlab.methods import build
 
     run = {"methods": build({"full": {"kind": "full"}, "kivi2": METHODS["kivi2"]}), "budgets": [0.5],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvlab.engine import Batch, compress, prefill
-from kvlab.evaluate import load_model
+from kvlab.steps.evaluate import load_model
 from kvlab.methods import Variant
 
 @pytest.fixture(scope="module")
@@ -150,7 +150,7 @@ def test_a_model_loads_straight_to_its_device(tiny_dir, monkeypatch):
     """load_model hands transformers the device (`device_map`) off the CPU, so each weight goes from the file to the
     device and the model is never whole in host memory; on the CPU it loads as before (no device_map). The CUDA
     device is pretended (transformers loads the tiny model to the CPU instead), and `ready` only records it."""
-    import kvlab.evaluate as evaluate
+    import kvlab.steps.evaluate as evaluate
     from transformers import AutoModelForCausalLM
 
     load, asked, readied = AutoModelForCausalLM.from_pretrained, [], []
@@ -176,7 +176,7 @@ def floor_run(tiny_dir, tmp_path, monkeypatch, **extra):
     """run_job on three single-sample batches of the tiny model, its model loads and engine calls recorded."""
     import weakref
 
-    import kvlab.evaluate as evaluate
+    import kvlab.steps.evaluate as evaluate
     from kvlab.methods import build
 
     loads, calls, floors = [], [], []

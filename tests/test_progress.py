@@ -6,7 +6,7 @@ import re
 
 import pytest
 from kvlab.state import resume
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.methods import build
 from kvlab.progress import main
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvlab.costs import crossover_rows, read_rows
+from kvlab.steps.costs import crossover_rows, read_rows
 from kvlab.kernels.accounting import DEEPSEEK_V3_MLA, LLAMA_31_70B, KVGeometry, Scheme, context_bytes
 from kvlab.kernels.reads import (
     LLAMA_3_70B_PARAMS, NSA, MoBA, crossover_tokens, decode_read_bytes, weight_bytes,

@@ -552,7 +552,7 @@ def test_speed_sections_say_not_run_when_the_run_left_them_out():
     (kvlab.util.columns): the report's queries still run on them, and their sections say the jobs were not run."""
     import duckdb
 
-    from kvlab.collect import _concat
+    from kvlab.steps.collect import _concat
     from kvlab.util.columns import ENGINE_VS_PIPELINE_COLUMNS, THROUGHPUT_COLUMNS
     from kvlab.report.sections import engine, throughput
 
@@ -575,7 +575,7 @@ def test_collect_types_a_column_by_the_files_that_fill_it(tmp_path):
     pandas FutureWarning; the eval columns kvlab.util.columns declares take their declared types."""
     import warnings
 
-    from kvlab.collect import _concat, _with_columns
+    from kvlab.steps.collect import _concat, _with_columns
 
     paths = [tmp_path / "needle.parquet", tmp_path / "dataset.parquet"]
     pd.DataFrame({"task": ["n"], "depth": [0.5], "cut_tokens": [None]}).to_parquet(paths[0])

@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import pytest
 from kvlab.state import resume
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.methods import build
 from kvlab.models.card import read_card
 
@@ -25,7 +25,7 @@ RUN = {"methods": build(METHODS), "budgets": [0.5], "question_modes": ["agnostic
 TIMING = ("_s", "seconds", "wall", "rows_per_s")
 CHILD = """
 import sys
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.methods import build
 run_job(sys.argv[1], "niah_single", {needle}, 384, {{**{run}, "methods": build({run}["methods"])}}, sys.argv[2])
 """  # a Method's repr is its config entry: the child builds the typed methods again
@@ -57,7 +57,7 @@ def test_a_killed_job_resumes_and_writes_what_an_uninterrupted_run_writes(tmp_pa
     assert not out.exists() and resume.path_for(out).exists()
     saved = resume.load(out, resume.job_key("niah_single", NEEDLE, 384, RUN, read_card(tiny_dir)))
     assert saved is not None and 2 <= saved["next"] < 16
-    with caplog.at_level(logging.INFO, logger="kvlab.evaluate"):
+    with caplog.at_level(logging.INFO, logger="kvlab.steps.evaluate"):
         resumed = run_job(tiny_dir, "niah_single", NEEDLE, 384, RUN, out)
     assert f"resumed from {resume.path_for(out)}: {saved['next']} samples done, in round" in caplog.text
     pd.testing.assert_frame_equal(non_timing(resumed), non_timing(whole))

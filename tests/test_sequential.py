@@ -1,4 +1,4 @@
-"""An evaluation job's rounds (kvlab.state.sequential, kvlab.evaluate.run_job) on the tiny model: decided cells stop, the
+"""An evaluation job's rounds (kvlab.state.sequential, kvlab.steps.evaluate.run_job) on the tiny model: decided cells stop, the
 prompts go on to open ones, the draw order only grows, and two runs give the same rows."""
 
 import re
@@ -6,7 +6,7 @@ import time
 
 import pandas as pd
 import pytest
-from kvlab.evaluate import draw_samples, run_job, summary
+from kvlab.steps.evaluate import draw_samples, run_job, summary
 from kvlab.methods import build
 from kvlab.stats.intervals import drop_bounds, per_sample
 from kvlab.report.decision import Rule
@@ -162,10 +162,10 @@ def test_a_long_batch_reports_progress_on_a_heartbeat(tmp_path, tiny_dir, monkey
     samples in progress, rows so far, rows per second and time left."""
     import logging
 
-    import kvlab.evaluate
+    import kvlab.steps.evaluate
 
-    monkeypatch.setattr(kvlab.evaluate, "HEARTBEAT_S", 0.02)
-    with caplog.at_level(logging.INFO, logger="kvlab.evaluate"):
+    monkeypatch.setattr(kvlab.steps.evaluate, "HEARTBEAT_S", 0.02)
+    with caplog.at_level(logging.INFO, logger="kvlab.steps.evaluate"):
         job(tmp_path, "a", tiny_dir, max_samples=4, tolerance=60)
     beats = re.findall(r"samples (\d+)-(\d+)/4 in progress: (\d+) rows, [\d.]+ rows/s, \d+ s elapsed, "
                        r"(~\d+ s left at most|time left known after the first sample)", caplog.text)
@@ -178,8 +178,8 @@ def test_a_time_limit_stops_a_job_after_its_round_and_rows_say_so(tmp_path, tiny
     as a minute more: `time.perf_counter` patched), the job runs that round whole and no other, with cells still open
     (a 1-point tolerance decides nothing in 2 prompts), and every row says stopped_by 'time'; without the limit the
     same job goes on to max_samples and says so; a job whose cells all settle says 'decided'."""
-    from kvlab import evaluate
-    from kvlab.evaluate import time_up
+    from kvlab.steps import evaluate
+    from kvlab.steps.evaluate import time_up
 
     assert not time_up({}, 1e9) and not time_up({"stop_after_minutes": None}, 1e9) and not time_up({"stop_after_minutes": 0}, 1e9)
     assert not time_up({"stop_after_minutes": 2}, 119.9) and time_up({"stop_after_minutes": 2}, 120)

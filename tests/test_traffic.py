@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.methods import build
 from kvlab.tasks import dataset, generate
 from kvlab.tasks.scoring import AGREEMENT, agreement, agreement_f1, clean, normalize, score
@@ -225,7 +225,7 @@ def test_the_chat_recipe_s_settings_are_checked_before_any_job():
 
 
 def test_a_conversation_beyond_the_model_s_context_names_its_field(tmp_path, tiny):
-    from kvlab.evaluate import check_lengths
+    from kvlab.steps.evaluate import check_lengths
 
     s = generate("mine", spec_for(jsonl(tmp_path / "chat.jsonl", CHAT), samples=1), tiny[1], 0)[0]
     with pytest.raises(ValueError, match=r"row \d, field messages\) has \d+ prompt tokens .*; a conversation is kept whole: "

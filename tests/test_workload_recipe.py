@@ -1,4 +1,4 @@
-"""The shipped workload example (kvlab.workload_recipe.qa_mix): real SQuAD and HotpotQA rows from RULER's installed
+"""The shipped workload example (kvlab.steps.workload_recipe.qa_mix): real SQuAD and HotpotQA rows from RULER's installed
 data, deterministic, mixed, within their word bounds, each context holding the documents that answer it; checked
 against the installed json files themselves, not the recipe's reading of them."""
 
@@ -9,7 +9,7 @@ from importlib import resources
 import pytest
 
 from kvlab.tasks import dataset, generate
-from kvlab.workload_recipe import INSTRUCTION, RECIPES, chat_mix, qa_mix
+from kvlab.steps.workload_recipe import INSTRUCTION, RECIPES, chat_mix, qa_mix
 
 ROWS, SEED, WORDS = 12, 3, (700, 1400)
 

@@ -1,4 +1,4 @@
-"""Rule calibrate: one model → results/calibration/{model}/*.parquet (see kvlab.calibrate)."""
+"""Rule calibrate: one model → results/calibration/{model}/*.parquet (see kvlab.steps.calibrate)."""
 
 from pathlib import Path
 
@@ -7,7 +7,7 @@ from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821
 
-from kvlab.calibrate import run_job  # noqa: E402
+from kvlab.steps.calibrate import run_job  # noqa: E402
 
 run_job(
     model_dir=snakemake.input.model_dir,  # noqa: F821

@@ -1,6 +1,6 @@
 """Rule collect: every Parquet file, model card and benchmark → results/kvlab.duckdb."""
 
-from kvlab.collect import build
+from kvlab.steps.collect import build
 from kvlab.util.io import log_to
 
 log_to(snakemake.log[0])  # noqa: F821

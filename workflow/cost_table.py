@@ -1,7 +1,7 @@
 """Rule cost_table: the article's §8 table and every model's card priced → results/accounting/costs.parquet; the KV
 bytes a decode step reads (NSA, MoBA vs full) → reads.parquet; where they exceed the weights' → crossover.parquet."""
 
-from kvlab.costs import cost_rows, crossover_rows, read_rows
+from kvlab.steps.costs import cost_rows, crossover_rows, read_rows
 from kvlab.util.io import atomic_path, log_to
 from kvlab.models.card import read_card
 

@@ -5,7 +5,7 @@ from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
-from kvlab.kernel_bench import decode_kernels  # noqa: E402
+from kvlab.steps.kernel_bench import decode_kernels  # noqa: E402
 
 decode_kernels(
     model_dir=snakemake.input.model_dir,  # noqa: F821

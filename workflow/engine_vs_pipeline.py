@@ -5,7 +5,7 @@ from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
-from kvlab.benchmark import engine_vs_pipeline  # noqa: E402
+from kvlab.steps.benchmark import engine_vs_pipeline  # noqa: E402
 
 bench = snakemake.params.bench  # noqa: F821
 engine_vs_pipeline(

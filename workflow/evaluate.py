@@ -5,7 +5,7 @@ from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
-from kvlab.evaluate import run_job  # noqa: E402
+from kvlab.steps.evaluate import run_job  # noqa: E402
 
 run_job(
     model_dir=snakemake.input.model_dir,  # noqa: F821

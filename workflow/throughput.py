@@ -5,7 +5,7 @@ from kvlab.state.jobs import run_settings
 
 log_to(snakemake.log[0])  # noqa: F821
 
-from kvlab.benchmark import throughput  # noqa: E402
+from kvlab.steps.benchmark import throughput  # noqa: E402
 
 throughput(
     model_dir=snakemake.input.model_dir,  # noqa: F821

@@ -5,7 +5,7 @@
         --label new --out results/bench/eval/new.parquet
 
 runs the evaluate job of `config.yaml` (after its preset) for that task and context length exactly as the
-pipeline does (`kvlab.evaluate.run_job`), writes its rows beside `--out` (`*.rows.parquet`) and one summary
+pipeline does (`kvlab.steps.evaluate.run_job`), writes its rows beside `--out` (`*.rows.parquet`) and one summary
 row to `--out`: rows, samples, wall seconds, seconds per row, and the job's prefill / compress / decode /
 teacher-forced seconds. Every commit since e2a8a92 has this command with these arguments, so an older
 checkout's own copy times its engine on the same config: the A/B of the speed issue (benchmarks/speed_ab.sh;
@@ -24,7 +24,7 @@ import pandas as pd
 import yaml
 
 from kvlab.state.config import resolve
-from kvlab.evaluate import run_job
+from kvlab.steps.evaluate import run_job
 from kvlab.state.jobs import run_params
 from kvlab.methods import build, with_calibration
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from kvlab.collect import read_benchmarks
+from kvlab.steps.collect import read_benchmarks
 from kvlab.state.config import with_preset
 from kvlab.util.io import PEAK_RSS, write_parquet
 from kvlab.tasks import max_new_tokens

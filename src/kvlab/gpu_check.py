@@ -6,7 +6,7 @@
   as one step replayed from a CUDA graph (``benchmark.graph_step``). One Parquet row per cache.
 * ``memory``: one evaluation sample at 8K (niah_single, the `long` preset's methods) on the same random model, in the
   waves kvlab.state.memory plans: the peak allocated beside the memory model's prediction. One Parquet row.
-* ``summary``: one screen of the decode-kernel rows (``python -m kvlab.kernel_bench``) and the end-to-end rows
+* ``summary``: one screen of the decode-kernel rows (``python -m kvlab.steps.kernel_bench``) and the end-to-end rows
   against the targets of issue 23, PASS or FAIL each.
 """
 
@@ -38,7 +38,7 @@ def e2e(context: int, batch: int, new_tokens: int, device: str, dtype: str, laye
     the model Qwen2.5-0.5B's but for its number of `layers` (24: the real one's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvlab.benchmark import GRAPH_REPLAYS, graph_step
+    from kvlab.steps.benchmark import GRAPH_REPLAYS, graph_step
     from kvlab.engine import ATTENTION, cache_stats, compress, decode_path, greedy_decode, host_free_step, prefill
     from kvlab.util.hardware import device_name
     from kvlab.methods import Variant
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     m.add_argument("--share", type=float, default=0.8, help="the share of free device memory the job may hold")
     m.add_argument("--out", type=Path, required=True)
     s = sub.add_parser("summary", help="one screen of results against the targets")
-    s.add_argument("--kernels", type=Path, required=True, help="python -m kvlab.kernel_bench's Parquet")
+    s.add_argument("--kernels", type=Path, required=True, help="python -m kvlab.steps.kernel_bench's Parquet")
     s.add_argument("--e2e", type=Path, required=True, help="the e2e step's Parquet")
     s.add_argument("--context", type=int, default=32768, help="the kernel rows the targets read")
     s.add_argument("--batch", type=int, default=8)

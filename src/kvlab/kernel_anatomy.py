@@ -1,6 +1,6 @@
 """What the fused decode kernel compiles to, on a machine without a GPU: ``python -m kvlab.kernel_anatomy``.
 
-For each storage format of the decode microbenchmark (``kvlab.kernel_bench``: FP8, KIVI INT4, INT2), a small
+For each storage format of the decode microbenchmark (``kvlab.steps.kernel_bench``: FP8, KIVI INT4, INT2), a small
 layer is built on the CPU, ``kvlab.kernels.triton_decode.arguments`` gives the kernel's launch arguments for
 it, and Triton compiles that variant for an NVIDIA architecture (sm_90, the H100/H200, by default) with its
 own bundled ptxas; ``cuobjdump`` (also shipped with Triton) disassembles it. The kernel's main loop — the
@@ -9,7 +9,7 @@ warp and per tile, and divided by the tile's tokens. Rows: instructions per toke
 the registers per thread and the shared memory per program that set how many programs run at once.
 
 A count is not a timing: memory latency, occupancy and issue stalls decide the speed, so only a GPU run
-(``kvlab.kernel_bench``) measures it. The count shows what a change to the kernel costs in work per token
+(``kvlab.steps.kernel_bench``) measures it. The count shows what a change to the kernel costs in work per token
 before a GPU is at hand.
 """
 
@@ -29,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvlab.kernel_bench import formats
+from kvlab.steps.kernel_bench import formats
 from kvlab.kernels import decode_attention, kvcache, triton_decode
 
 # Instruction classes by SASS opcode (the part before the first dot).

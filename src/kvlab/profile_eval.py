@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
-from kvlab.evaluate import load_model, noise_samples, samples_at_once
+from kvlab.steps.evaluate import load_model, noise_samples, samples_at_once
 from kvlab.util.hardware import cpu_kind, device_name
 from kvlab.util.io import write_parquet
 from kvlab.kernels.linear import PackedLinear, packable
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     max_new = max_new_tokens(spec, run["max_new_tokens"])
     at_once = samples_at_once(args.ctx or max(s.prompt.tokens for s in samples))
 
-    def job(todo=samples):  # as the job's first round batches its samples (kvlab.evaluate.run_job), its noise floor too
+    def job(todo=samples):  # as the job's first round batches its samples (kvlab.steps.evaluate.run_job), its noise floor too
         rows = []
         for start in range(0, len(todo), at_once):
             rows += evaluate_samples(model, tokenizer, todo[start : start + at_once], grid, run["question_modes"], max_new,

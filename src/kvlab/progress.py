@@ -25,7 +25,7 @@ import duckdb
 import pandas as pd
 import yaml
 
-from kvlab.collect import _with_columns, joined
+from kvlab.steps.collect import _with_columns, joined
 from kvlab.util.columns import EVAL_COLUMNS
 from kvlab.state.config import resolve
 from kvlab.util.io import atomic_path, read_parquet

@@ -308,7 +308,7 @@ def _check_reads(report: dict, where: str) -> None:
 CALIBRATION_TABLES = (
     "key_channels", "massive", "sinks", "concentration", "fp8_scales", "kvquant_ranges", "kvquant_grids", "layer_budget",
     "stream_sinks",
-)  # what the calibrate rule writes per model (see kvlab.calibrate)
+)  # what the calibrate rule writes per model (see kvlab.steps.calibrate)
 
 
 def expand(config: dict, schema_path: str | Path, name: str) -> dict:

@@ -73,7 +73,7 @@ def eval_mem_mb(card: dict, dtype: str, device: str, context_tokens: int, dtype_
     token's hidden state and K/V in every layer; MEM_HEADROOM above that, in whole GB, and never below MEM_FLOOR_MB.
     A linear fit to the two measured peaks, scaled by the model's width and depth: the engine's memory grows with
     context × variants without a bound until it keeps a budget (issue 53). On `cuda`, CUDA_HOST_MB whatever the
-    model: its weights go from the file to the device (kvlab.evaluate.load_model). `context_tokens` 0 (a dataset's
+    model: its weights go from the file to the device (kvlab.steps.evaluate.load_model). `context_tokens` 0 (a dataset's
     natural lengths): MEM_FLOOR_MB."""
     if device == "cuda":
         return CUDA_HOST_MB

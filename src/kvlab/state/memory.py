@@ -289,7 +289,7 @@ class Job:
 
     def estimate(self, shape: Shape, dtype: str, tokens: int, budget: float | None) -> Estimate:
         return estimate(shape, dtype, tokens, self.rows, self.ref, self.compressions, self.path, budget,
-                        max(1, 8192 // tokens))  # kvlab.evaluate.samples_at_once
+                        max(1, 8192 // tokens))  # kvlab.steps.evaluate.samples_at_once
 
 
 def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[Job]:

@@ -1,7 +1,7 @@
 """Checkpoints of an evaluation job, so that a rerun after an interruption (kill, crash, a cluster's time limit)
 continues from its last finished chunk of samples instead of starting over.
 
-The job (`kvlab.evaluate.run_job`) evaluates its prompts chunk by chunk, and a chunk's rows depend only on its
+The job (`kvlab.steps.evaluate.run_job`) evaluates its prompts chunk by chunk, and a chunk's rows depend only on its
 samples and on the variants still open, which the rows before it decide; so the rows so far, the next sample
 and the round's state are all a rerun needs to write the same rows as an uninterrupted run. After each chunk the
 job writes that state beside its output (`<output>.partial`, a pickle written through kvlab.util.io.atomic_path, so a

@@ -2,7 +2,7 @@
 (Waudby-Smith & Ramdas, "Estimating means of bounded random variables by betting", JRSS-B 2023), their e-values,
 and e-BH (Wang & Ramdas 2022) over many of them.
 
-Why betting. kvlab's evaluation jobs stop giving prompts to a cell once its verdict is reached (kvlab.evaluate). A
+Why betting. kvlab's evaluation jobs stop giving prompts to a cell once its verdict is reached (kvlab.steps.evaluate). A
 fixed-n interval (a bootstrap, a Wilson or t interval) read after each round and acted on covers the mean less
 often than its level says; tests/test_anytime.py measures it. A confidence sequence covers the mean at every n at
 once, so no stopping rule can break it. Among them the betting ones are the tightest known for bounded means, and

@@ -3,7 +3,7 @@
 - accuracy: a 95% Wilson interval over the answers (scipy.stats.binomtest; partial scores count as their sum).
 - a method's accuracy minus the full cache's (the paired drop): a betting confidence sequence over samples
   (kvlab.stats.anytime), valid at every n at once, so it keeps its level however the evaluation job stopped drawing
-  prompts (kvlab.evaluate's rounds stop a cell once it is decided), and at a fixed n too. Its bets are tuned to the
+  prompts (kvlab.steps.evaluate's rounds stop a cell once it is decided), and at a fixed n too. Its bets are tuned to the
   threshold it will be decided at. A sample is the unit: its rows (turns, question modes pooled into one cell)
   are averaged first, so rows of one sample never count as independent draws, and the samples enter in the order
   they were drawn (task, context length, draw), the order the stopping rule saw them.

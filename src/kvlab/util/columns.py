@@ -1,13 +1,13 @@
 """Typed columns of the tables a run may leave empty (so DuckDB still types them): no torch, no duckdb."""
 
-# kvlab.kernel_bench's rows: empty in runs without CUDA.
+# kvlab.steps.kernel_bench's rows: empty in runs without CUDA.
 DECODE_KERNEL_COLUMNS = {
     "model": "string", "format": "string", "path": "string", "bits": "int64", "context_tokens": "int64",
     "batch": "int64", "kv_heads": "int64", "query_heads": "int64", "head_dim": "int64", "ms": "float64",
     "call_ms": "float64", "bytes_read": "int64", "gb_per_s": "float64", "dtype": "string", "device": "string",
 }
 
-# kvlab.benchmark's rows: empty in runs whose `speed_benchmarks` leaves the job out (a workload-only run).
+# kvlab.steps.benchmark's rows: empty in runs whose `speed_benchmarks` leaves the job out (a workload-only run).
 THROUGHPUT_COLUMNS = {
     "model": "string", "context_tokens": "int64", "method": "string", "budget": "float64", "batch": "int64",
     "new_tokens": "int64", "decode_s": "float64", "tokens_per_s": "float64", "graph_step_ms": "float64",

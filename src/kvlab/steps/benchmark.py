@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 
 from kvlab.engine import Batch, cache_stats, compress, decode_path, evaluate_sample, greedy_decode, host_free_step, prefill
-from kvlab.evaluate import load_model
+from kvlab.steps.evaluate import load_model
 from kvlab.util.hardware import device_name
 from kvlab.util.io import write_parquet
 from kvlab.methods import variants

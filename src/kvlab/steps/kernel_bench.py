@@ -153,10 +153,10 @@ def decode_kernels(model_dir, spec: dict, run: dict, out_path) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     """Command line for a bare GPU machine (torch, triton, transformers, pandas and pyarrow; no workflow):
-    python -m kvlab.kernel_bench --shape 2,14,64 --out rows.parquet"""
+    python -m kvlab.steps.kernel_bench --shape 2,14,64 --out rows.parquet"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvlab.kernel_bench", description=main.__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvlab.steps.kernel_bench", description=main.__doc__.splitlines()[0])
     ap.add_argument("--shape", action="append", required=True, help="kv_heads,query_heads,head_dim (repeatable)")
     ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131072")
     ap.add_argument("--batches", default="1,8")

@@ -271,7 +271,7 @@ def leading_sinks(sinks: pd.DataFrame, layers: int, threshold: float) -> int:
 def run_job(model_dir, spec: dict, run: dict, out_dir) -> dict[str, pd.DataFrame]:
     """Calibrate the model in `model_dir` with `spec` (sequences, tokens, query_positions, sink_threshold,
     seed); write every table as `out_dir/{table}.parquet` (each file atomically)."""
-    from kvlab.evaluate import load_model
+    from kvlab.steps.evaluate import load_model
 
     torch.set_num_threads(run["threads"])
     card = read_card(model_dir)
