@@ -27,7 +27,7 @@ for job in "$@"; do
     if [ $side = old ]; then src=$WT/src config=$WT/config.yaml label="$OLD"; else src=$ROOT/src config=$ROOT/config.yaml label="$NEW"; fi
     out=$OUT/ab-$task-$side.parquet
     echo "timing $task@$ctx ($samples per length and depth) at $label"
-    (cd /tmp && PYTHONPATH=$src "$ROOT/.venv/bin/python" -m kvlab.bench_eval --model-dir "$MODEL" --calibration "$CALIB" \
+    (cd /tmp && PYTHONPATH=$src "$ROOT/.venv/bin/python" -m kvlab.tools.bench_eval --model-dir "$MODEL" --calibration "$CALIB" \
       --task "$task" --ctx "$ctx" --samples "$samples" --config "$config" --label "$label" --out "$out") > "${out%.parquet}.log" 2>&1
     files+=("$out")
   done

@@ -20,7 +20,7 @@ run() {  # kind dtype [env...]
   local kind=$1 dtype=$2
   shift 2
   echo "timing $TASK@$CTX ($SAMPLES per depth) as $kind ($dtype)"
-  env "$@" .venv/bin/python -m kvlab.bench_eval --model-dir "$MODEL" --calibration "$CALIB" --task "$TASK" --ctx "$CTX" \
+  env "$@" .venv/bin/python -m kvlab.tools.bench_eval --model-dir "$MODEL" --calibration "$CALIB" --task "$TASK" --ctx "$CTX" \
     --samples "$SAMPLES" --dtype "$dtype" --label "$kind" --out "$OUT/$kind.parquet"
 }
 run bf16-capable bfloat16

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from kvlab.bench_eval import job_settings
+from kvlab.tools.bench_eval import job_settings
 from kvlab.engine import evaluate_samples, tuning
 from kvlab.steps.evaluate import load_model, noise_samples
 from kvlab.util.hardware import cpu_kind, device_name

@@ -86,12 +86,12 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
 
 def against_one_wave(rows_out: Path, context: int, budget: str) -> dict:
     """How a budgeted point's rows compare with the one-wave point's at the same context (when both ran): every
-    column equal but timing ones, decode_batch and waves (kvlab.compare_runs.VARYING), and the KL columns' largest
+    column equal but timing ones, decode_batch and waves (kvlab.tools.compare_runs.VARYING), and the KL columns' largest
     absolute difference in nats (a teacher-forced batch of other rows rounds them differently: in bf16, by about the
     batch noise floor the rows measure, noise_kl)."""
     import numpy as np
 
-    from kvlab.compare_runs import VARYING
+    from kvlab.tools.compare_runs import VARYING
 
     one, mine = rows_out / f"{context}_none.parquet", rows_out / f"{context}_{budget}.parquet"
     if budget == "none" or not one.is_file():

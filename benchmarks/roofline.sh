@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The roofline issue's ratio, wall time over matmul floor (kvlab.profile_eval), of three evaluate jobs' first rounds
+# The roofline issue's ratio, wall time over matmul floor (kvlab.tools.profile_eval), of three evaluate jobs' first rounds
 # in each dtype given: prose_kl at 512 (10 samples), variable_tracking at 1K (4) and RULER's niah_single_2 at 1K
 # (preset study, 2), each batched as the job batches it. bf16 is timed where the CPU runs it natively (else the
 # rows say fp32 only), with the memory roof beside it (wall over roofline_floor_s: every matmul at the slower of its
@@ -24,7 +24,7 @@ for dtype in "${DTYPES[@]}"; do
   for job in "${JOBS[@]}"; do
     read -r task ctx samples preset <<< "$job"
     echo "$task at $ctx, $samples samples, $dtype"
-    .venv/bin/python -m kvlab.profile_eval --model-dir "$MODEL" --calibration "$CAL" --task "$task" --ctx "$ctx" \
+    .venv/bin/python -m kvlab.tools.profile_eval --model-dir "$MODEL" --calibration "$CAL" --task "$task" --ctx "$ctx" \
       --samples "$samples" --preset "$preset" --dtype "$dtype" --repeats "${REPEATS:-3}" --out "$OUT/roofline-$task-$ctx-$dtype.parquet" \
       > "$OUT/roofline-$task-$ctx-$dtype.log" 2>&1
   done

@@ -74,10 +74,10 @@ fi
 "$py" -c 'import torch, triton, transformers; print(f"torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, " + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"))'
 stage tests 150 "${tests_cmd[@]}"
 stage kernels 120 "$py" -m kvlab.steps.kernel_bench --shape 8,32,128 --shape 2,14,64 "${bench_args[@]}" --out "$out/kernels.parquet"
-stage e2e 120 "$py" -m kvlab.gpu_check e2e "${e2e_args[@]}" --out "$out/e2e.parquet"
-stage memory 180 "$py" -m kvlab.gpu_check memory "${mem_args[@]}" --out "$out/memory.parquet"
+stage e2e 120 "$py" -m kvlab.tools.gpu_check e2e "${e2e_args[@]}" --out "$out/e2e.parquet"
+stage memory 180 "$py" -m kvlab.tools.gpu_check memory "${mem_args[@]}" --out "$out/memory.parquet"
 echo "== summary"
-timeout 30 "$py" -m kvlab.gpu_check summary --kernels "$out/kernels.parquet" --e2e "$out/e2e.parquet" \
+timeout 30 "$py" -m kvlab.tools.gpu_check summary --kernels "$out/kernels.parquet" --e2e "$out/e2e.parquet" \
   --memory "$out/memory.parquet" "${at[@]}" | tee "$out/summary.txt" || failed+=(summary)
 if [ ${#failed[@]} -gt 0 ]; then
   echo "stages failed: ${failed[*]} (logs in $out)"

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import hub_cache, job_counts, snakemake, workflow_copy
-from kvlab.compare_runs import compare
+from kvlab.tools.compare_runs import compare
 from kvlab.state.config import resolve
 from slurm_local import PARTITION, Unavailable, jobs, local_slurm
 

@@ -1,10 +1,10 @@
-"""kvlab.compare_runs: two runs' Parquet rows, equal but for wall-clock columns, or the difference named."""
+"""kvlab.tools.compare_runs: two runs' Parquet rows, equal but for wall-clock columns, or the difference named."""
 
 from __future__ import annotations
 
 import pandas as pd
 
-from kvlab.compare_runs import compare, main
+from kvlab.tools.compare_runs import compare, main
 
 
 def run(root, rows: dict[str, pd.DataFrame]):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conftest import job_counts, snakemake, workflow_copy
-from kvlab.compare_runs import compare
+from kvlab.tools.compare_runs import compare
 from kvlab.state.config import CALIBRATION_TABLES, resolve
 from kvlab.kernels.block_sparse import read_tokens
 from kvlab.methods import build, kind_of

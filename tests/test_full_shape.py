@@ -1,4 +1,4 @@
-"""The `full` preset's shape on the CPU (kvlab.full_shape): the derived config is the preset's grid on the tiny
+"""The `full` preset's shape on the CPU (kvlab.tools.full_shape): the derived config is the preset's grid on the tiny
 model, validates, follows the preset when it changes, and the workflow plans every task × context length of it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import yaml
 
 from conftest import ROOT, snakemake
 from kvlab.state.config import resolve, with_preset
-from kvlab.full_shape import derive, job_peaks, write_config
+from kvlab.tools.full_shape import derive, job_peaks, write_config
 
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
 CONFIG = yaml.safe_load((ROOT / "config.yaml").read_text())

@@ -1,4 +1,4 @@
-"""The GPU device check (gpu/check.sh, kvlab.gpu_check) on a machine without a GPU: the targets' PASS/FAIL on rows
+"""The GPU device check (gpu/check.sh, kvlab.tools.gpu_check) on a machine without a GPU: the targets' PASS/FAIL on rows
 whose answer is known, and the script's dry run (CUDA tests collected, benchmark and decode point on the CPU)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab import gpu_check
+from kvlab.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = {"kv_heads": 8, "query_heads": 32, "head_dim": 128, "context_tokens": 32768, "batch": 8}
@@ -94,6 +94,6 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
 def test_the_device_steps_import_without_the_workflow_packages():
     """The device machine has no kvpress, snakemake, duckdb or jsonschema: what gpu/check.sh runs imports without."""
     blocked = "import sys; sys.modules.update(dict.fromkeys(['kvpress', 'snakemake', 'duckdb', 'jsonschema']))"
-    code = f"{blocked}; import kvlab.gpu_check, kvlab.steps.benchmark, kvlab.steps.kernel_bench"
+    code = f"{blocked}; import kvlab.tools.gpu_check, kvlab.steps.benchmark, kvlab.steps.kernel_bench"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]

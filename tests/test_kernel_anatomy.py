@@ -1,4 +1,4 @@
-"""The decode kernel compiled for sm_90 without a GPU (kvlab.kernel_anatomy): its main loop is found in the
+"""The decode kernel compiled for sm_90 without a GPU (kvlab.tools.kernel_anatomy): its main loop is found in the
 machine code and carries the design's properties — tensor-core dots, codes turned into fp16 without
 integer-to-float conversions, and registers and shared memory that let 4 programs share a multiprocessor."""
 
@@ -11,7 +11,7 @@ import sys
 import pandas as pd
 import pytest
 
-from kvlab import kernel_anatomy
+from kvlab.tools import kernel_anatomy
 
 H100_SHARED_PER_SM, H100_REGISTERS_PER_SM = 233472, 65536
 
@@ -21,7 +21,7 @@ def rows(tmp_path_factory):
     """The CLI as a user runs it, in a process without the interpreter flag the test session sets."""
     out = tmp_path_factory.mktemp("anatomy") / "anatomy.parquet"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-m", "kvlab.kernel_anatomy", "--format", "int4", "--format", "int2",
+    subprocess.run([sys.executable, "-m", "kvlab.tools.kernel_anatomy", "--format", "int4", "--format", "int2",
                     "--head-dim", "64", "--out", str(out)], check=True, env=env, capture_output=True, timeout=600)
     return pd.read_parquet(out).set_index("format")
 

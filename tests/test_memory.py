@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kvlab.compare_runs import VARYING
+from kvlab.tools.compare_runs import VARYING
 from kvlab.engine import evaluate_samples
 from kvlab.methods import build, variants
 from kvlab.tasks import GENERATORS

@@ -1,4 +1,4 @@
-"""python -m kvlab.progress: the decision table so far, from a finished job's file and a running job's checkpoint,
+"""python -m kvlab.tools.progress: the decision table so far, from a finished job's file and a running job's checkpoint,
 read without touching the checkpoint (tiny model, prose KL: its cells decide without references)."""
 
 import os
@@ -8,7 +8,7 @@ import pytest
 from kvlab.state import resume
 from kvlab.steps.evaluate import run_job
 from kvlab.methods import build
-from kvlab.progress import main
+from kvlab.tools.progress import main
 
 METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
            "fp8": {"kind": "quant", "scheme": "fp8", "scales": "dynamic", "residual": 0}}

@@ -36,8 +36,8 @@ def smoke_config(tmp_path, methods: list[str]) -> str:
 
 
 def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monkeypatch):
-    from kvlab import profile_eval
-    from kvlab.profile_eval import main
+    from kvlab.tools import profile_eval
+    from kvlab.tools.profile_eval import main
 
     monkeypatch.setattr(profile_eval, "SHAPES", ((64, 64, 64),))  # the peak's own test is below; at the engine's shapes it takes 14 s
     config = smoke_config(tmp_path, ["full", "snapkv", "kivi2", "h2o"])
@@ -85,7 +85,7 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
 
 def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):
     """The roof: 2·M·K·N flops per product over the seconds the products took, the best shape's rate."""
-    import kvlab.profile_eval as pe
+    import kvlab.tools.profile_eval as pe
 
     clock = iter(range(100))
     monkeypatch.setattr(pe, "SHAPES", ((4, 3, 5), (2, 2, 2)))
@@ -94,7 +94,7 @@ def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):
 
 
 def test_bench_eval_times_the_pipeline_job(tiny_dir, tmp_path):
-    from kvlab.bench_eval import main
+    from kvlab.tools.bench_eval import main
 
     summary = main(["--model-dir", str(tiny_dir), "--task", "recency", "--ctx", "512", "--preset", "smoke",
                     "--config", smoke_config(tmp_path, ["full", "snapkv", "kivi2"]), "--label", "here",
@@ -111,7 +111,7 @@ def test_counted_matmuls_are_their_flops_and_bytes_and_only_them():
     bytes of operands and result (an expanded operand once); nothing for elementwise operators."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from kvlab.profile_eval import counted_products, roofline_rows
+    from kvlab.tools.profile_eval import counted_products, roofline_rows
 
     a, b, bias = torch.randn(6, 5), torch.randn(5, 7), torch.randn(7)
 
@@ -144,7 +144,7 @@ def test_counted_matmuls_count_packed_linear_layers():
     """A packed layer's product (kvlab.kernels.linear), which FlopCounterMode does not see: 2·M·K·N flops and the
     bytes of input, packed weight, bias and output."""
     from kvlab.kernels.linear import PackedLinear
-    from kvlab.profile_eval import counted_products
+    from kvlab.tools.profile_eval import counted_products
 
     x, w, bias = torch.randn(2, 3, 5), torch.randn(7, 5), torch.randn(7)
     packed = PackedLinear(w, bias)
@@ -159,7 +159,7 @@ def test_attention_products_are_the_pairs_each_mask_lets_through():
     from collections import Counter
 
     from kvlab.engine.attention import _grouped
-    from kvlab.profile_eval import counted_products, roofline_rows
+    from kvlab.tools.profile_eval import counted_products, roofline_rows
 
     torch.manual_seed(0)
     b, hq, hkv, n, keys, d, dv = 2, 4, 2, 3, 6, 8, 8

@@ -1,5 +1,5 @@
 """What a measuring job receives: the rule's params (`run_params`, built from the config by rules/common.smk and by
-the command-line tools that run one job, kvlab.bench_eval and kvlab.profile_eval), made concrete on the machine
+the command-line tools that run one job, kvlab.tools.bench_eval and kvlab.tools.profile_eval), made concrete on the machine
 that runs it (`run_settings`).
 
 Above the engine and the method kinds (the import contract in pyproject.toml): kvlab.util.io stays below them.

@@ -133,7 +133,7 @@ def _concat(files: list, empty: dict[str, str] | None = None) -> pd.DataFrame:
 
 
 def joined(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """The frames' rows in one table, as `_concat` joins files (kvlab.progress joins running jobs' rows alike)."""
+    """The frames' rows in one table, as `_concat` joins files (kvlab.tools.progress joins running jobs' rows alike)."""
     valued = {c for f in frames for c in f.columns if f[c].notna().any()}
     out = pd.concat([f.drop(columns=[c for c in f.columns if c in valued and f[c].isna().all()]) for f in frames],
                        ignore_index=True)

@@ -2,7 +2,7 @@
 `--samples`, batched as the job batches them, its noise floor measured on as many as the job measures it) timed
 plainly, its matmul flops counted, and its first `--profile-samples` run under torch's profiler.
 
-    python -m kvlab.profile_eval --model-dir resources/models/qwen2.5-0.5b \
+    python -m kvlab.tools.profile_eval --model-dir resources/models/qwen2.5-0.5b \
         --calibration results/calibration/qwen2.5-0.5b --task prose_kl --ctx 512 --samples 10 \
         --out results/profile/prose_kl-512.parquet
 
@@ -56,7 +56,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvlab.bench_eval import apply_overrides, job_arguments, job_settings
+from kvlab.tools.bench_eval import apply_overrides, job_arguments, job_settings
 from kvlab.engine import evaluate_samples
 from kvlab.steps.evaluate import load_model, noise_samples, samples_at_once
 from kvlab.util.hardware import cpu_kind, device_name

@@ -1,6 +1,6 @@
 """The decision table so far, from a second terminal while a run goes on:
 
-    python -m kvlab.progress [--results results] [--config config.yaml] [--preset NAME]
+    python -m kvlab.tools.progress [--results results] [--config config.yaml] [--preset NAME]
 
 It reads the finished evaluation jobs (results/eval/<model>/<task>/<context>.parquet) and the checkpoints of the
 running ones (`<output>.partial`, kvlab.state.resume: the rows so far), and prints one line per job cell (model, task,
@@ -33,7 +33,7 @@ from kvlab.report.build import CSS, load_queries
 from kvlab.report.decision import Rule, cells, why_open
 from kvlab.report.html import esc, section, table
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BY = ["model", "task", "context_tokens", "question_mode"]  # with method and budget: one job cell
 
 
@@ -122,7 +122,7 @@ def load_rule(config_path: Path, preset: str | None) -> tuple[dict, Rule]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.progress", description="The decision table so far, from "
+    parser = argparse.ArgumentParser(prog="python -m kvlab.tools.progress", description="The decision table so far, from "
                                      "finished evaluation jobs and the checkpoints of running ones (read only).")
     parser.add_argument("--results", default="results", help="the run's results folder (default: results)")
     parser.add_argument("--config", default="config.yaml", help="the run's config file (its `decision` rule)")

@@ -1,4 +1,4 @@
-"""What the fused decode kernel compiles to, on a machine without a GPU: ``python -m kvlab.kernel_anatomy``.
+"""What the fused decode kernel compiles to, on a machine without a GPU: ``python -m kvlab.tools.kernel_anatomy``.
 
 For each storage format of the decode microbenchmark (``kvlab.steps.kernel_bench``: FP8, KIVI INT4, INT2), a small
 layer is built on the CPU, ``kvlab.kernels.triton_decode.arguments`` gives the kernel's launch arguments for
@@ -135,7 +135,7 @@ def anatomy(fmt: str, head_dim: int, arch: int = 90, **kw) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.kernel_anatomy", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kvlab.tools.kernel_anatomy", description=__doc__.splitlines()[0])
     ap.add_argument("--format", action="append", choices=["fp8", "int4", "int2"], dest="formats",
                     help="storage format (repeatable; default: all three, FP8 only from sm_89)")
     ap.add_argument("--head-dim", action="append", type=int, dest="head_dims", help="head dim (repeatable; default 64 and 128)")

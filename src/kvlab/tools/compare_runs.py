@@ -1,6 +1,6 @@
 """Compare the Parquet rows of two pipeline runs (two working folders), e.g. before and after a refactor:
 
-    python -m kvlab.compare_runs OLD_DIR NEW_DIR [--added-method NAME ...]
+    python -m kvlab.tools.compare_runs OLD_DIR NEW_DIR [--added-method NAME ...]
 
 Every `results/**/*.parquet` of one must be in the other with equal rows on every column but wall-clock ones
 (`*_s`, `speedup*`, `*_per_s`), `decode_batch` (rows decoded together: it grows with the methods a run

@@ -2,9 +2,9 @@
 throughput and benchmark grids, on a tiny random model in float32 with one sample per cell. It exercises the
 preset's config, masks, lengths and memory at 8K–32K before anyone runs it on a GPU.
 
-    python -m kvlab.full_shape config RUN_DIR            # RUN_DIR/config.yaml, derived from ./config.yaml's preset
+    python -m kvlab.tools.full_shape config RUN_DIR            # RUN_DIR/config.yaml, derived from ./config.yaml's preset
     snakemake -s Snakefile --directory RUN_DIR --cores 2 results/report.html
-    python -m kvlab.full_shape peaks RUN_DIR             # per-job wall time and peak RSS → RUN_DIR/results/job_peaks.parquet
+    python -m kvlab.tools.full_shape peaks RUN_DIR             # per-job wall time and peak RSS → RUN_DIR/results/job_peaks.parquet
 
 The config is derived, not written out, so it follows the preset when the preset changes. It is preset-free
 (the whole config of the run), so the run's folder needs nothing else.
@@ -64,7 +64,7 @@ def write_config(run_dir: Path, source: Path) -> Path:
     """RUN_DIR/config.yaml derived from `source`; returns its path."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    header = f"# Derived by `python -m kvlab.full_shape config` from {source.resolve()} (preset {PRESET!r}); do not edit.\n"
+    header = f"# Derived by `python -m kvlab.tools.full_shape config` from {source.resolve()} (preset {PRESET!r}); do not edit.\n"
     out.write_text(header + yaml.safe_dump(derive(yaml.safe_load(source.read_text())), sort_keys=False))
     return out
 
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         frame = job_peaks(args.run_dir)
     except (OSError, ValueError) as error:
-        sys.exit(f"kvlab.full_shape: {error}")
+        sys.exit(f"kvlab.tools.full_shape: {error}")
     write_parquet(frame, args.run_dir / "results" / "job_peaks.parquet")
     print(frame.to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     return 0

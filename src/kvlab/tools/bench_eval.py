@@ -1,6 +1,6 @@
 """Seconds per scored row of one evaluation job, for comparing two commits side by side on one machine.
 
-    python -m kvlab.bench_eval --model-dir resources/models/qwen2.5-0.5b \
+    python -m kvlab.tools.bench_eval --model-dir resources/models/qwen2.5-0.5b \
         --calibration results/calibration/qwen2.5-0.5b --task variable_tracking --ctx 1024 \
         --label new --out results/bench/eval/new.parquet
 
@@ -28,7 +28,7 @@ from kvlab.steps.evaluate import run_job
 from kvlab.state.jobs import run_params
 from kvlab.methods import build, with_calibration
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def job_settings(config_path: Path, task: str, preset: str | None) -> tuple[dict, dict]:

@@ -239,7 +239,7 @@ def summary(kernels_path: Path, e2e_path: Path, context: int, batch: int, gb_per
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.gpu_check", description="The GPU device check's steps (gpu/check.sh).")
+    ap = argparse.ArgumentParser(prog="python -m kvlab.tools.gpu_check", description="The GPU device check's steps (gpu/check.sh).")
     sub = ap.add_subparsers(dest="step", required=True)
     e = sub.add_parser("e2e", help="one end-to-end decode point, written as Parquet")
     e.add_argument("--context", type=int, default=32768)
