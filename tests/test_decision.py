@@ -6,7 +6,8 @@ import pytest
 
 from kvlab.stats.anytime import sequence
 from kvlab.report.claims import verdicts
-from kvlab.report.decision import Rule, article_comparison, c12_verdict, decision_table
+from kvlab.report.article import article_comparison, c12_verdict
+from kvlab.report.decision import Rule, decision_table
 from kvlab.report.verdicts.cost import matches as _matches
 
 

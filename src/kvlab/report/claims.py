@@ -1,5 +1,5 @@
 """The study's claims C1–C17 in one table: what each says, the rule and thresholds that decide it, the queries
-(queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, decision.c12).
+(queries.sql) whose rows it reads and its verdict function (kvlab.report.verdicts, article.c12).
 
 The claims section lists every claim; the calibration, quantization and eviction sections list their own.
 Statistical claims (C3–C8, C11, C12, C15–C17) are decided from one-sided 95% bounds (kvlab.stats.intervals): holds, does
@@ -15,7 +15,7 @@ from typing import Callable
 
 import pandas as pd
 
-from kvlab.report import decision
+from kvlab.report import article
 from kvlab.report.decision import Rule
 from kvlab.report.verdicts import calibration, cost, eviction, posthoc, prompt, quant
 
@@ -66,7 +66,7 @@ CLAIMS = [
           {"ratio": 3.2, "slack": 0.1}),
     Claim(11, "C11 PyramidKV ≥ SnapKV at equal total budget", ("answers",), eviction.c11,
           "upper bound of SnapKV − PyramidKV ≤ {tolerance_points:g} points at every budget"),
-    Claim(12, "C12 the decision table, regenerated from this run", ("answers",), decision.c12),
+    Claim(12, "C12 the decision table, regenerated from this run", ("answers",), article.c12),
     Claim(13, "C13 NSA: 64K decode reads ≈ 11× fewer KV bytes", ("cost_reads",), cost.c13,
           "{ratio:g} ± {slack:g} at {context:,} tokens (the article's ≈: one unit in its last digit)",
           {"ratio": 11.0, "slack": 1.0, "context": 65536}),

@@ -3,7 +3,8 @@ article's testable statements against this run."""
 
 import pandas as pd
 
-from kvlab.report.decision import Rule, article_comparison, cells, decision_table
+from kvlab.report.article import article_comparison
+from kvlab.report.decision import Rule, cells, decision_table
 from kvlab.report.html import table
 
 TITLE = "Decision table (article §7.2), regenerated"
