@@ -11,6 +11,7 @@ long_memory_rows/; a budgeted point's row says whether its rows equal the one-wa
 absolute difference in `kl_max_abs_difference`, beside the one-wave run's batch noise floor `noise_kl_one_wave`).
 
     python benchmarks/long_memory.py MODEL_DIR --contexts 4096 8192 16384 32000 --budgets none 8 [--dtype auto]
+    python benchmarks/long_memory.py MODEL_DIR --repredict    (the predictions again, by the model as it is now)
         ->  results/benchmarks/long_memory.parquet (one row per context and budget: a later run replaces its own
             points and keeps the others), results/benchmarks/long_memory_rows/{context}_{budget}.parquet
 """
@@ -105,6 +106,29 @@ def against_one_wave(rows_out: Path, context: int, budget: str) -> dict:
             "noise_kl_one_wave": float(a["noise_kl"].max())}
 
 
+def repredict(table: Path, model_dir: str) -> pd.DataFrame:
+    """The table's `predicted_*` columns recomputed by the memory model as it is now, for the waves each point planned
+    (the measured columns untouched): after the model's factors are refitted, its old predictions say nothing."""
+    from kvlab.methods import build, variants
+    from kvlab.state.config import resolve
+    from kvlab.state.memory import GB, Row, Shape, estimate
+
+    config = yaml.safe_load(Path("config.yaml").read_text())
+    config["preset"] = "long"
+    config = resolve(config, "workflow/config.schema.yaml")
+    grid = variants(build(config["methods"]), config["budgets"], "niah_single")
+    rows, ref = [Row.of(v) for v in grid], next(i for i, v in enumerate(grid) if v.kind == "full")
+    shape = Shape.from_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    frame = pd.read_parquet(table)
+    for i, r in frame[frame["prompt_tokens"].notna()].iterrows():
+        over = None if pd.isna(r["budget_gb"]) else r["budget_gb"] * GB - r["loaded_gb"] * GB
+        est = estimate(shape, r["dtype"], int(r["prompt_tokens"]), rows, ref, 2, config["max_new_tokens"] + 1, over)
+        frame.loc[i, "predicted_gb"] = est.peak / GB
+        for phase, size in est.phases.items():
+            frame.loc[i, f"predicted_{phase}_gb"] = size / GB
+    return frame
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir")
@@ -113,11 +137,17 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--calibration", help="the model's calibration folder (default: results/calibration/<model>)")
     parser.add_argument("--point", action="store_true", help=argparse.SUPPRESS)  # one (context, budget) in this process
+    parser.add_argument("--repredict", action="store_true", help="only recompute the table's predicted columns")
     args = parser.parse_args()
     calibration = args.calibration or str(Path("results/calibration") / Path(args.model_dir).name)
     if not Path(calibration, "fp8_scales.parquet").is_file():
         raise SystemExit(f"{calibration}: no calibration (fp8_scales.parquet); run the calibrate rule for this model or "
                          "pass --calibration DIR")
+    if args.repredict:
+        frame = repredict(OUT / "long_memory.parquet", args.model_dir)
+        frame.to_parquet(OUT / "long_memory.parquet", index=False)
+        print(frame.to_string())
+        return 0
     rows_out = OUT / "long_memory_rows"
     rows_out.mkdir(parents=True, exist_ok=True)
     if args.point:

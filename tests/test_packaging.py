@@ -43,3 +43,14 @@ def test_kvlab_asks_for_huge_pages_before_torch_is_imported():
             env["THP_MEM_ALLOC_ENABLE"] = given
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
         assert out.split() == ["False", seen]
+
+
+def test_every_subpackage_is_installed():
+    """A regular (non-editable) install ships only the packages pyproject.toml lists: each folder of src/kvlab with an
+    __init__.py must be one of them (kvlab.methods.schemes was missing: editable installs hid it)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(("kvlab", *p.parent.relative_to(ROOT / "src" / "kvlab").parts)) for p in (ROOT / "src" / "kvlab").rglob("__init__.py")}
+    assert found - listed == set()
+    assert "kvlab.kernels" in listed
