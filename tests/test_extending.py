@@ -246,3 +246,36 @@ def test_defaults_fill_entries_in_the_order_they_had_before_the_schema_was_gener
     assert list(out["methods"]["snapkv"]) == ["kind", "press", "kwargs"]  # wrapper_kwargs is never filled
     assert list(out["tasks"]["niah_single"]) == ["kind", "context_tokens", "depths", "samples", "seed", "haystack", "keys", "values",
                                                  "queries", "question_position"]
+
+
+@pytest.mark.slow
+def test_a_method_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
+    """The guide's steps in a copy of the package, run by Snakemake as a user runs it: the kind's module, its line in
+    KINDS (with its import) and one config entry; the smoke preset's needle job evaluates it at every budget."""
+    import shutil
+
+    from conftest import snakemake, workflow_copy
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "kvlab" / "methods" / "sketch.py").write_text(SKETCH)  # its module
+    registry = src / "kvlab" / "methods" / "__init__.py"
+    text = registry.read_text()
+    line = "from kvlab.methods.quantized import HFQuantized, Quant\n"
+    assert line in text and "PromptCompression,\n" in text
+    registry.write_text(text.replace(line, line + "from kvlab.methods.sketch import Sketch\n")
+                        .replace("PromptCompression,\n", "PromptCompression, Sketch,\n", 1))  # its line in KINDS
+    work = workflow_copy(tmp_path / "run")
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["presets"]["smoke"]["methods"]["sketchy"] = {"kind": "sketch", "tag": "sk"}  # its config entry
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    out = "results/eval/tiny-qwen2/niah_single/512.parquet"
+    env = {**__import__("os").environ, "PYTHONPATH": str(src)}  # the copy's kvlab first (kvlab.kernels: the install's)
+    proc = snakemake(work, out, "--config", "preset=smoke", timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import pandas as pd
+
+    rows = pd.read_parquet(work / out)
+    sketch = rows[rows["method"] == "sketchy"]
+    assert set(sketch["budget"]) == set(config["presets"]["smoke"]["budgets"]) and set(sketch["scheme"]) == {"sk"}
+    assert sketch["prediction"].notna().all() and len(sketch) == len(rows[rows["method"] == "full"]) * 2
