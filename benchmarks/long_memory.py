@@ -32,11 +32,6 @@ import yaml
 OUT = Path("results/benchmarks")
 
 
-def rss() -> float:
-    """Resident bytes of this process now."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
-
-
 def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path, calibration: str) -> dict:
     import torch
 
@@ -44,7 +39,7 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     from kvlab.engine import evaluate_samples
     from kvlab.steps.evaluate import load_model
     from kvlab.util.hardware import compute_dtype, cpu_kind
-    from kvlab.state.memory import GB, Row, Shape, estimate, waves_for
+    from kvlab.state.memory import GB, Row, Shape, estimate, footprint, waves_for
     from kvlab.methods import build, variants, with_calibration
     from kvlab.tasks import generate
 
@@ -54,12 +49,12 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     config["preset"] = "long"
     config = resolve(config, "workflow/config.schema.yaml")
     model, tokenizer = load_model(model_dir, dtype, "cpu")
-    loaded = rss()
+    loaded = footprint("cpu")
     peak, stop = [loaded], threading.Event()
 
     def sample_rss():
         while not stop.wait(0.01):
-            peak[0] = max(peak[0], rss())
+            peak[0] = max(peak[0], footprint("cpu"))
 
     spec = {**config["tasks"]["niah_single"], "depths": [0.5], "samples": 1}
     (sample,) = generate("niah_single", spec, tokenizer, context)

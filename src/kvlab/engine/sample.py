@@ -287,14 +287,13 @@ def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new
                 if stats[i] is None:  # the reference is compressed again in every wave: its first wave's
                     compress_s[i] = time.perf_counter() - t0
                     stats[i] = cache_stats(caches[-1], variants[i], base.length)
-            local = wave.index(ref)
+            local, turns = wave.index(ref), []
             for number, (turn_tail, _) in enumerate(pl.turns[key], start=1):
                 if number in labelled:
-                    found.setdefault(number, []).append((wave, _turn(model, pl, caches, local, number, key, turn_tail,
-                                                                      max_new_tokens, kl, paths)))
+                    turns.append(_turn(model, pl, caches, local, number, key, turn_tail, max_new_tokens, kl, paths))
+                    found.setdefault(number, []).append((wave, turns[-1]))
             if len(groups) > 1:  # its rows that left the full answer decoded now, not with the other samples' rows:
-                decode_diverged(model, [turn.run for w, turn in (parts[-1] for parts in found.values())
-                                        if turn.run is not None])  # their caches then go with the wave's
+                decode_diverged(model, [t.run for t in turns if t.run is not None])  # their caches go with the wave's
             del caches  # this wave's caches: only the reference's stays (its noise-floor request holds it)
         if not any(pl.bases[k][0].parent is base for k in keys[at + 1 :]):
             base.captures = []  # compressed by every variant: its captured layer inputs are no longer read
@@ -339,8 +338,9 @@ class Turn:
 
 def _turn(model, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], max_new_tokens: int,
           kl: bool, paths: dict) -> Turn:
-    """One turn on one wave's caches: verified along the full cache's answer (diverged rows decoded later, with other
-    samples'), or, for prose, every row decoded and read along the sample's reference text."""
+    """One turn on one wave's caches: verified along the full cache's answer (diverged rows decoded later: with other
+    samples', or, with several waves, at the wave's end), or, for prose, every row decoded and read along the sample's
+    reference text."""
     sample, p = pl.sample, pl.sample.prompt
     base = pl.bases[key][0]
     div, logp_ref, path, run, decoded = [{} for _ in caches], None, None, None, None

@@ -2,7 +2,7 @@
 
     python -m kvlab.state.memory --model NAME|config.json --context N [--preset P] [--task T] [--device-gb G] [--dtype D]
 
-An evaluation job holds, over its loaded model (one sample at a time past 8K tokens; `evaluate.samples_at_once`):
+An evaluation job holds, over its loaded model (one sample at a time past 8K tokens; `samples_at_once`):
 
 - prefill: the prompt's K/V and each attention layer's captured input (what a press's `compress` reads), once per
   compression (the context alone, and context + question for the aware modes), plus one layer's activations of the
@@ -156,7 +156,7 @@ def estimate(shape: Shape, dtype: str, tokens: int, rows: list[Row], ref: int, c
              budget: float | None = None, samples: int = 1) -> Estimate:
     """The peak of one `tokens` sample with these variants (`rows`; `ref` the full cache's index) and `compressions`
     prefills (2 with the aware modes), in waves that fit `budget` bytes over the loaded model (None: one wave), with
-    `samples` evaluated together (their prefills all held: `evaluate.samples_at_once`). Raises MemoryBudgetError when
+    `samples` evaluated together (their prefills all held: `samples_at_once`). Raises MemoryBudgetError when
     a wave of the reference and one variant does not fit."""
     b = DTYPE_BYTES[dtype]
     kv, captures = shape.kv(tokens, b), shape.layers * tokens * shape.hidden * b
@@ -192,6 +192,13 @@ def estimate(shape: Shape, dtype: str, tokens: int, rows: list[Row], ref: int, c
         waves.append(sorted(wave))
     phases["wave"] = max(wave_peak(w) for w in waves)
     return Estimate(phases, waves, shape.params * b, least)
+
+
+def samples_at_once(context_tokens: int) -> int:
+    """Samples an evaluation job evaluates together (their full-cache answers decoded as one batch): as many as hold 8K
+    context tokens, so that their prefills' captured attention inputs (kept until every variant is compressed) stay
+    within a few GB. The memory model counts their prefills as held together."""
+    return max(1, 8192 // context_tokens)
 
 
 def available_bytes(device: str, cgroup: Path = Path("/sys/fs/cgroup"), meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -289,7 +296,7 @@ class Job:
 
     def estimate(self, shape: Shape, dtype: str, tokens: int, budget: float | None) -> Estimate:
         return estimate(shape, dtype, tokens, self.rows, self.ref, self.compressions, self.path, budget,
-                        max(1, 8192 // tokens))  # kvlab.steps.evaluate.samples_at_once
+                        samples_at_once(tokens))
 
 
 def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[Job]:

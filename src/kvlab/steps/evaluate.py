@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from kvlab.state import memory, resume
+from kvlab.state.memory import samples_at_once
 from kvlab.engine import evaluate_samples
 from kvlab.util.hardware import device_name, keep_freed_memory, other_dtype
 from kvlab.util.io import write_parquet
@@ -66,13 +67,6 @@ def ready(model, device: str):
         for p in model.parameters():
             p.data = p.data.clone()
     return model
-
-
-def samples_at_once(context_tokens: int) -> int:
-    """Samples evaluated together (their full-cache answers decoded as one batch): as many as hold 8K context
-    tokens, so that their prefills' captured attention inputs (kept until every variant is compressed) stay
-    within a few GB."""
-    return max(1, 8192 // context_tokens)
 
 
 def noise_samples(run: dict, start: int, total: int) -> int:
