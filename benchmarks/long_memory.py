@@ -39,7 +39,7 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     from kvlab.engine import evaluate_samples
     from kvlab.steps.evaluate import load_model
     from kvlab.util.hardware import compute_dtype, cpu_kind
-    from kvlab.state.memory import GB, Row, Shape, estimate, footprint, waves_for
+    from kvlab.state.memory import GB, Row, Shape, estimate, footprint, job_waves
     from kvlab.methods import build, variants, with_calibration
     from kvlab.tasks import generate
 
@@ -60,8 +60,10 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     (sample,) = generate("niah_single", spec, tokenizer, context)
     grid = variants(with_calibration(build(config["methods"]), Path(calibration)), config["budgets"], "niah_single")
     modes = [m for m in config["question_modes"] if m != "multi_turn"]
-    over = None if budget == "none" else float(budget) * GB - loaded
-    waves = None if over is None else waves_for(model, dtype, over, 2, config["max_new_tokens"] + 1)
+    waves = None  # one wave; else planned as a job plans them, under memory.budget_gb less the loaded model
+    if budget != "none":
+        run = {"memory": {"budget_gb": float(budget)}, "device": "cpu", "dtype": dtype, "question_modes": modes}
+        waves = job_waves(model, run, grid, sample.prompt.tokens, config["max_new_tokens"], floor=False)
     thread = threading.Thread(target=sample_rss, daemon=True)
     thread.start()
     t0 = time.perf_counter()
@@ -69,11 +71,14 @@ def point(model_dir: str, context: int, budget: str, dtype: str, rows_out: Path,
     wall = time.perf_counter() - t0
     stop.set()
     thread.join()
-    shape = Shape.from_config(model.config.to_dict())
-    ref = next(i for i, v in enumerate(grid) if v.kind == "full")
-    est = estimate(shape, dtype, sample.prompt.tokens, [Row.of(v) for v in grid], ref, 2, config["max_new_tokens"] + 1, over)
+    if waves is None:
+        ref = next(i for i, v in enumerate(grid) if v.kind == "full")
+        est = estimate(Shape.from_config(model.config.to_dict()), dtype, sample.prompt.tokens, [Row.of(v) for v in grid],
+                       ref, 2, config["max_new_tokens"] + 1)
+    else:
+        est = waves.planned
     pd.DataFrame(rows).drop(columns=["gold"]).to_parquet(rows_out / f"{context}_{budget}.parquet", index=False)
-    return {"context_tokens": context, "prompt_tokens": sample.prompt.tokens, "budget_gb": None if over is None else float(budget),
+    return {"context_tokens": context, "prompt_tokens": sample.prompt.tokens, "budget_gb": None if waves is None else float(budget),
             "variants": len(grid), "waves": rows[0]["waves"], "rows": len(rows), "loaded_gb": loaded / GB,
             "peak_rss_over_loaded_gb": (peak[0] - loaded) / GB, "peak_rss_gb": peak[0] / GB,
             "predicted_gb": est.peak / GB, **{f"predicted_{k}_gb": v / GB for k, v in est.phases.items()},

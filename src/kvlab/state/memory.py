@@ -15,7 +15,7 @@ An evaluation job holds, over its loaded model (one sample at a time past 8K tok
 Each term is a count of tensor elements from the model's shape (config.json) times the compute dtype's bytes, times a
 factor for what the allocator and the kernels' temporaries add on top (`FACTORS`), fitted to peak RSS over the
 loaded model measured on a CPU (benchmarks/long_memory.py, rows in results/benchmarks/long_memory.parquet). The engine
-plans each sample's waves with `waves_for` under the job's `memory.budget_gb`; `python -m kvlab.state.memory` prints the
+plans each sample's waves with `job_waves` under the job's `memory.budget_gb`; `python -m kvlab.state.memory` prints the
 same estimate before a run.
 """
 
@@ -131,11 +131,10 @@ class Row:
 
 @dataclass
 class Estimate:
-    """Peak bytes over the loaded model per phase, the waves, and the weights (in the compute dtype)."""
+    """Peak bytes over the loaded model per phase, the waves, and the least budget that fits."""
 
     phases: dict[str, float]
     waves: list[list[int]]
-    weights: float
     least: float  # the smallest budget it fits: the full cache and one variant a wave
 
     @property
@@ -191,7 +190,7 @@ def estimate(shape: Shape, dtype: str, tokens: int, rows: list[Row], ref: int, c
             wave.append(i)
         waves.append(sorted(wave))
     phases["wave"] = max(wave_peak(w) for w in waves)
-    return Estimate(phases, waves, shape.params * b, least)
+    return Estimate(phases, waves, least)
 
 
 def samples_at_once(context_tokens: int) -> int:
@@ -244,11 +243,6 @@ class Waves:
     def __call__(self, variants, ref: int, tokens: int) -> list[list[int]]:
         return estimate(self.shape, self.dtype, tokens, [Row.of(v) for v in variants], ref, self.compressions, self.path,
                         self.budget, self.samples).waves
-
-
-def waves_for(model, dtype: str, budget: float, compressions: int, path: int, samples: int = 1) -> Waves:
-    """`Waves` for `model` under `budget` bytes over the loaded model."""
-    return Waves(Shape.from_config(model.config.to_dict()), dtype, budget, compressions, path, samples)
 
 
 def footprint(device: str) -> int:
