@@ -5,7 +5,7 @@ rule workload:
     output:
         rows="results/workloads/{task}.jsonl",
     params:
-        recipe=lambda w: {"rows": config["tasks"][w.task]["recipe_rows"], "seed": config["tasks"][w.task]["seed"]},
+        recipe=lambda w: {k: config["tasks"][w.task][key] for k, key in (("rows", "recipe_rows"), ("seed", "seed"), ("words", "recipe_words"))},
         recipe_name=lambda w: config["tasks"][w.task]["recipe"],
     log:
         "logs/workload/{task}.log",

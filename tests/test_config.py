@@ -67,15 +67,16 @@ def test_at_least_one_model_is_evaluated(config):
 
 def test_every_preset_covers_every_task_kind(config):
     """study (the wider study), wide, smoke (the CI run of the DAG), evidence and full exercise every generator the
-    schema allows; the dataset kind's shipped example runs in study, wide and smoke (evidence and full size the
-    claims' cells)."""
+    schema allows; the dataset kind's shipped example runs in study, wide and smoke, and smoke runs the prompts-only
+    chat example too (evidence and full size the claims' cells)."""
     kinds = set(load_schema(SCHEMA)["$defs"]["task"]["properties"]["kind"]["enum"])
     for preset in ("study", "wide", "smoke", "evidence", "full"):
         out = resolve({**config, "preset": preset}, SCHEMA)
         expected = kinds - {"dataset"} if preset in ("evidence", "full") else kinds
         assert {t["kind"] for t in out["tasks"].values()} == expected, preset
         recipes = [t for t in out["tasks"].values() if t["kind"] == "dataset"]
-        assert all(t["path"] == "results/workloads/qa_mix.jsonl" for t in recipes)
+        assert all(t["path"] == f"results/workloads/{name}.jsonl" for name, t in out["tasks"].items() if t in recipes)
+        assert {t["recipe"] for t in recipes} == ({"qa_mix", "chat_mix"} if preset == "smoke" else set(recipes and ["qa_mix"])), preset
 
 
 def test_ruler_preset_is_kvpress_leaderboard_grid(config):

@@ -68,6 +68,11 @@ def test_every_rule_ran_and_rows_are_in_duckdb(smoke_run):
             assert got == (1 + cap - first, cap, cap - 1, cap, cap), (task, ctx)
         modes = {m for (m,) in con.execute("SELECT DISTINCT question_mode FROM eval WHERE task = ?", [task]).fetchall()}
         assert modes == ({"agnostic", "aware", "multi_turn"} if turns > 1 else {"agnostic", "aware"}), task
+    # prompts-only chat rows (recipe chat_mix, rendered by the tiny model's ChatML template): scored by agreement with
+    # the full cache's answer, which agrees with itself
+    chat = con.execute("SELECT list(DISTINCT metric), min(score) FILTER (method_kind = 'full'), min(prompt_tokens) "
+                       "FROM eval WHERE task = 'chat_mix'").fetchone()
+    assert chat[:2] == (["agreement"], 1.0) and chat[2] > 0
     cols = {r[0] for r in con.execute("DESCRIBE eval").fetchall()}
     assert {"model", "task", "task_kind", "context_tokens", "depth", "seed", "method", "budget", "question_mode",
             "turn", "prediction", "score", "kv_bytes", "kl_vs_full", "nll", "ppl", "prefill_s", "decode_s",

@@ -218,8 +218,10 @@ def test_the_report_decides_agreement_cells_and_shows_the_noise_floor_beside_the
 
 
 def test_the_chat_recipe_s_settings_are_checked_before_any_job():
-    recipe = {**SPEC, "recipe": "chat_mix", "recipe_rows": 4, "samples": 2}
+    recipe = {**SPEC, "recipe": "chat_mix", "recipe_rows": 4, "recipe_words": [700, 1400], "samples": 2}
     assert dataset.problem("t", spec_for("unused", **recipe)) is None
+    assert dataset.problem("t", spec_for("unused", **{**recipe, "recipe_words": [300, 300]})) == (
+        "recipe_words", "[300, 300] is no range: give [low, high] with low < high, e.g. [700, 1400]")
     assert dataset.problem("t", spec_for("unused", **recipe, metric="qa_f1"))[0] == "metric"
     assert dataset.problem("t", spec_for("unused", **{**recipe, "context_tokens": [512]}))[0] == "context_tokens"
 

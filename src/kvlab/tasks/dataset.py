@@ -65,6 +65,9 @@ class Params:  # Answered's keys, after its own (defaults are filled in this ord
                                "and HotpotQA data RULER's package ships; qa_mix: multi-document QA rows with answers; chat_mix: "
                                "prompts-only conversations (messages, no answers: scored by agreement)", enum=list(PROMPTS_ONLY_RECIPES))
     recipe_rows: int = param(120, "rows the recipe writes", minimum=1)
+    recipe_words: list[int] = param([700, 1400], "the whole-word length of each row's documents the recipe writes: [low, high] "
+                                    "(about 1.3 Qwen tokens per word; the smoke preset's byte tokenizer takes ~6 a word)",
+                                    minItems=2, maxItems=2, items={"type": "integer", "minimum": 1})
     columns: dict[str, str] = param({}, "the file's column for each field, where it differs from the field's name",
                                     additionalProperties=False, properties={f: {"type": "string"} for f in FIELDS})
     metric: str | None = param(
@@ -117,6 +120,9 @@ def problem(name: str, spec: dict):
         return "template", why
     if "recipe" in spec:
         rows, source = spec["recipe_rows"], f"recipe_rows {spec['recipe_rows']}"
+        low, high = spec["recipe_words"]
+        if low >= high:
+            return "recipe_words", f"[{low}, {high}] is no range: give [low, high] with low < high, e.g. [700, 1400]"
         if PROMPTS_ONLY_RECIPES[spec["recipe"]] and spec["metric"] not in AGREEMENT:
             return "metric", (f"recipe {spec['recipe']} writes rows without answers, which metric {spec['metric']} scores "
                               "against; use metric: agreement or agreement_f1")
