@@ -239,3 +239,24 @@ def test_scored_cells_are_settled_on_their_scores_not_the_kl_their_rows_also_car
     assert open_cells(rows, Rule()) == {}
     prose = rows.assign(score=None)
     assert open_cells(prose, Rule()) == {("fp8", 1.0): {"aware"}}  # unscored rows: decided on KL, at the threshold
+
+
+def test_rounds_stop_where_the_generator_runs_out_of_distinct_prompts(tiny, monkeypatch, caplog):
+    """Prose KL on a corpus cut to 300 sentences holds only a few non-overlapping 1K windows: a job asking up to 200
+    prompts gets every distinct one the draw finds (the same prefix a direct draw of that many gives, none overlapping)
+    and says so in its log; a first round asking more than the corpus holds still fails in one line."""
+    import kvlab.tasks.continuation as continuation
+    from kvlab.tasks.base import TooFewPrompts
+
+    small = continuation.kjv_sentences()[:300]
+    monkeypatch.setattr(continuation, "kjv_sentences", lambda: small)
+    prose = {"kind": "continuation", "context_tokens": [1000], "continuation_tokens": 32, "samples": 2, "seed": 0}
+    with caplog.at_level("WARNING"):
+        samples, first = draw_samples("p", prose, tiny[1], 1000, 200)
+    assert first == 2 and 2 < len(samples) < 200
+    assert f"the generator holds {len(samples)} distinct prompts" in caplog.text
+    direct = generate("p", {**prose, "samples": len(samples)}, tiny[1], 1000)
+    assert [s.prompt.sha1 for s in direct] == [s.prompt.sha1 for s in samples]
+    assert not any(a.clash(b) for i, a in enumerate(samples) for b in samples[:i])
+    with pytest.raises(TooFewPrompts, match=rf"^task 'p': sample {len(samples) + 1} of 200 still shares overlapping prose"):
+        generate("p", {**prose, "samples": 200}, tiny[1], 1000)

@@ -25,6 +25,7 @@ from kvlab.models.card import read_card
 from kvlab.report.decision import Rule
 from kvlab.state.sequential import open_cells, per_point, planned
 from kvlab.tasks import generate, max_new_tokens, samples_at
+from kvlab.tasks.base import TooFewPrompts
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,20 @@ def time_up(plan: dict, elapsed: float) -> bool:
 
 
 def draw_samples(task: str, spec: dict, tokenizer, context_tokens: int, max_samples: int) -> tuple[list, int]:
-    """The job's prompts in draw order, as many as it may reach (kvlab.state.sequential.planned), and how many the first
-    round takes (the task's `samples` per grid point)."""
+    """The job's prompts in draw order, as many as it may reach (kvlab.state.sequential.planned, or fewer where the
+    generator runs out of distinct prompts at this length: rows' `max_samples` says how many), and how many the first
+    round takes (the task's `samples` per grid point, which must all be distinct: else one line, before any work)."""
     initial = generate(task, spec, tokenizer, context_tokens)
     total = planned(spec, len(initial), max_samples)
     if total == len(initial):
         return initial, len(initial)
     each = per_point(len(initial), samples_at(spec, context_tokens), total)
-    samples = generate(task, {**spec, "samples": each}, tokenizer, context_tokens)[:total]
+    try:
+        samples = generate(task, {**spec, "samples": each}, tokenizer, context_tokens)[:total]
+    except TooFewPrompts as short:  # rounds stop where the generator runs out of distinct prompts (fixed before any answer)
+        samples = short.kept[:total]
+        log.warning("%s at %d tokens: the generator holds %d distinct prompts, so the job's rounds stop there, not at "
+                    "max_samples %d", task, context_tokens, len(samples), total)
     assert [s.sample_id for s in samples[: len(initial)]] == [s.sample_id for s in initial]  # more draws only add
     return samples, len(initial)
 

@@ -165,6 +165,15 @@ def encode(tokenizer, text: str) -> list[int]:
 REDRAWS = 100  # draws per sample before `independent` gives up
 
 
+class TooFewPrompts(ValueError):
+    """`independent` found no distinct prompt for a sample after REDRAWS draws; `kept` holds the samples drawn
+    before it, the prefix a shorter draw returns."""
+
+    def __init__(self, message: str, kept: list[Sample]) -> None:
+        super().__init__(message)
+        self.kept = kept
+
+
 def independent(name: str, draws: list[tuple[str, Callable[[random.Random], Sample]]]) -> list[Sample]:
     """One sample per (seed text, make) in `draws`, each `make(rng)` with an rng seeded by its text. A sample that
     clashes with an earlier one (`Sample.clash`: the same prompt, a shared needle, an overlapping stretch of corpus)
@@ -179,8 +188,8 @@ def independent(name: str, draws: list[tuple[str, Callable[[random.Random], Samp
                 kept.append(sample)
                 break
         else:
-            raise ValueError(f"task '{name}': sample {len(kept) + 1} of {len(draws)} still shares {why} with another after "
-                             f"{REDRAWS} draws; the generator has too few distinct prompts at this length: ask fewer samples")
+            raise TooFewPrompts(f"task '{name}': sample {len(kept) + 1} of {len(draws)} still shares {why} with another after "
+                                f"{REDRAWS} draws; the generator has too few distinct prompts at this length: ask fewer samples", kept)
     return kept
 
 
