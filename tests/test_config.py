@@ -74,9 +74,10 @@ def test_every_preset_covers_every_task_kind(config):
         out = resolve({**config, "preset": preset}, SCHEMA)
         expected = kinds - {"dataset"} if preset in ("evidence", "full") else kinds
         assert {t["kind"] for t in out["tasks"].values()} == expected, preset
-        recipes = [t for t in out["tasks"].values() if t["kind"] == "dataset"]
-        assert all(t["path"] == f"results/workloads/{name}.jsonl" for name, t in out["tasks"].items() if t in recipes)
-        assert {t["recipe"] for t in recipes} == ({"qa_mix", "chat_mix"} if preset == "smoke" else set(recipes and ["qa_mix"])), preset
+        recipes = {name: t for name, t in out["tasks"].items() if t["kind"] == "dataset"}
+        assert all(t["path"] == f"results/workloads/{name}.jsonl" for name, t in recipes.items())
+        shipped = {"smoke": {"qa_mix", "chat_mix"}, "evidence": set(), "full": set()}.get(preset, {"qa_mix"})
+        assert {t["recipe"] for t in recipes.values()} == shipped, preset
 
 
 def test_ruler_preset_is_kvpress_leaderboard_grid(config):
