@@ -20,7 +20,7 @@ from kvlab.engine import decode_references, prefill, stop_ids
 from kvlab.steps.evaluate import load_model
 from kvlab.util.hardware import compute_dtype
 from kvlab.util.io import write_parquet
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 from kvlab.tasks.scoring import score
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     dtype = compute_dtype(args.dtype, "cpu")
     model, tokenizer = load_model(args.model_dir, dtype, "cpu")
     spec = {"kind": "arithmetic", "context_tokens": [256], "samples": args.samples, "seed": args.seed}
-    samples = GENERATORS["arithmetic"]("arithmetic", spec, tokenizer, 256)
+    samples = KINDS["arithmetic"].generate("arithmetic", spec, tokenizer, 256)
     requests = []
     for sample in samples:
         base = prefill(model, sample.prompt.context)

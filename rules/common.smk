@@ -8,6 +8,7 @@ from kvlab.state.config import CALIBRATION_TABLES, ConfigError, check_device, dt
 from kvlab.state.jobs import run_params as job_params
 from kvlab.methods import build, for_task, uses_calibration
 from kvlab.state.runstate import drop_orphans, say
+from kvlab.tasks import inputs as task_inputs
 
 try:
     config.update(resolve(config, f"{workflow.basedir}/workflow/config.schema.yaml"))
@@ -62,8 +63,7 @@ def calibration_inputs(wildcards):
 
 def dataset_rows(wildcards):
     """A dataset task's file (the user's, or the one its recipe writes), so that a changed file reruns its jobs."""
-    task = config["tasks"][wildcards.task]
-    return [task["path"]] if task["kind"] == "dataset" else []
+    return task_inputs(config["tasks"][wildcards.task])
 
 
 def run_params(task=None):

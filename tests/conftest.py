@@ -48,10 +48,10 @@ def acquired(tmp_path_factory, name: str, spec: dict) -> Path:
 
 def needle_prompt(tokenizer):
     """One single-needle prompt of about 300 tokens (seed 3), for engine tests that decode a few steps."""
-    from kvlab.tasks import GENERATORS
+    from kvlab.tasks import KINDS
 
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tokenizer, 300)[0].prompt
+    return KINDS["niah"].generate("niah_single", spec, tokenizer, 300)[0].prompt
 
 
 def decode_steps(model, caches, tail, start, steps=4):

@@ -259,10 +259,10 @@ def gemma(gemma_dir):
 
 @pytest.fixture(scope="module")
 def gemma_sample(gemma):
-    from kvlab.tasks import GENERATORS
+    from kvlab.tasks import KINDS
 
     spec = {"depths": [0.5], "samples": 1, "seed": 0}
-    return GENERATORS["niah"]("niah_single", spec, gemma[1], 1024)[0]
+    return KINDS["niah"].generate("niah_single", spec, gemma[1], 1024)[0]
 
 
 @pytest.mark.integration

@@ -9,13 +9,13 @@ from kvlab.engine.teacher import stepwise, streams
 from kvlab.kernels.cross_layer import SharedLayer
 from kvlab.kernels.kvcache import layer_nbytes
 from kvlab.methods import Variant
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 
 @pytest.fixture(scope="module")
 def prompt(tiny):
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tiny[1], 300)[0].prompt
+    return KINDS["niah"].generate("niah_single", spec, tiny[1], 300)[0].prompt
 
 
 def cla(every: int) -> Variant:

@@ -12,7 +12,7 @@ from conftest import sharpened
 
 from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
 from kvlab.methods import Variant, build, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 PRESSES = [
     ("SnapKVPress", {"window_size": 16, "kernel_size": 5}),
@@ -25,7 +25,7 @@ PRESSES = [
 @pytest.fixture(scope="module")
 def sample(tiny):
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tiny[1], 700)[0]
+    return KINDS["niah"].generate("niah_single", spec, tiny[1], 700)[0]
 
 
 def tuned(monkeypatch, model, **fields):
@@ -189,7 +189,7 @@ def test_engine_equals_one_method_at_a_time(tiny, kind, spec):
     model, tokenizer = tiny
     methods = {"full": {"kind": "full"}, "snapkv": SNAP, "streaming": STREAM}
     grid = variants(build(methods), [0.5, 0.25])
-    for sample in GENERATORS[kind](kind, spec, tokenizer, 600):
+    for sample in KINDS[kind].generate(kind, spec, tokenizer, 600):
         together = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware"], 6)
         for v in grid:
             alone = evaluate_sample(model, tokenizer, sample, [grid[0], v] if v.kind != "full" else [v], ["agnostic", "aware"], 6)
@@ -207,7 +207,7 @@ def test_engine_equals_one_method_at_a_time(tiny, kind, spec):
 def test_kl_is_zero_for_full_and_grows_with_eviction(tiny):
     model, tokenizer = tiny
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 48}
-    (sample,) = GENERATORS["continuation"]("prose", spec, tokenizer, 600)
+    (sample,) = KINDS["continuation"].generate("prose", spec, tokenizer, 600)
     grid = variants(build({"full": {"kind": "full"}, "streaming": STREAM}), [0.5, 0.1])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
     kl = {r["budget"]: r["kl_vs_full"] for r in rows}
@@ -220,7 +220,7 @@ def test_kl_is_zero_for_full_and_grows_with_eviction(tiny):
 def test_question_first_modes_share_one_computation(tiny):
     model, tokenizer = tiny
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0, "question_position": "before"}
-    (sample,) = GENERATORS["niah"]("qfirst", spec, tokenizer, 600)
+    (sample,) = KINDS["niah"].generate("qfirst", spec, tokenizer, 600)
     rows = evaluate_sample(model, tokenizer, sample, variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5]), ["agnostic", "aware"], 4)
     agnostic = [r for r in rows if r["question_mode"] == "agnostic"]
     aware = [r for r in rows if r["question_mode"] == "aware"]
@@ -372,7 +372,7 @@ def test_multi_turn_mode_asks_a_later_question_on_the_aware_cache(tiny):
     aware rows are that question's own turn; agnostic rows every turn on the context-only cache."""
     model, tokenizer = tiny
     spec = {"kind": "multi_turn", "depths": [0.4], "samples": 1, "seed": 2}
-    (sample,) = GENERATORS["multi_turn"]("mt", spec, tokenizer, 600)
+    (sample,) = KINDS["multi_turn"].generate("mt", spec, tokenizer, 600)
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic", "aware", "multi_turn"], 6)
     assert sorted({(r["question_mode"], r["turn"]) for r in rows}) == [("agnostic", 1), ("agnostic", 2), ("aware", 1), ("multi_turn", 2)]
@@ -385,7 +385,7 @@ def test_multi_turn_mode_asks_a_later_question_on_the_aware_cache(tiny):
     assert got == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
     alone = evaluate_sample(model, tokenizer, sample, grid, ["multi_turn"], 6)
     assert [r["prediction"] for r in alone] == got and {r["compressed_tokens"] for r in alone} == {aware.length}
-    (niah,) = GENERATORS["niah"]("n", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, 600)
+    (niah,) = KINDS["niah"].generate("n", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, 600)
     assert evaluate_sample(model, tokenizer, niah, grid, ["multi_turn"], 4) == []  # no later turn to ask
 
 
@@ -657,7 +657,7 @@ def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dic
     from kvlab.engine import divergence, first_divergence, teacher_forced, verified_decode
 
     grid = variants(build(methods), budgets)
-    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
+    (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
     base = prefill(model, sample.prompt.context)
     caches = [compress(model, base, v) for v in grid]
     tail, ref = sample.prompt.question + sample.prompt.suffix, 0
@@ -729,7 +729,7 @@ def test_references_of_several_prompts_decode_as_one_batch(tiny, sharp):
     tokenizer = tiny[1]
     requests = []
     for seed, ctx in ((1, 500), (2, 620), (3, 560)):
-        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
         base = prefill(sharp, s.prompt.context)
         requests.append((base.cache, s.prompt.question + s.prompt.suffix, base.length))
     together, kept = decode_references(sharp, requests, 12, keep={0, 2})
@@ -756,7 +756,7 @@ def test_samples_evaluated_together_give_their_rows_alone(tiny, sharp, monkeypat
 
     tokenizer = tiny[1]
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}), [0.5])
-    samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
+    samples = KINDS["multi_turn"].generate("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s", "noise_s"]
     together = evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic", "aware", "multi_turn"], 8)
     alone = [r for s in samples for r in evaluate_sample(sharp, tokenizer, s, grid, ["agnostic", "aware", "multi_turn"], 8)]
@@ -783,7 +783,7 @@ def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
 
     tokenizer = tiny[1]
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5])
-    samples = GENERATORS["niah"]("niah_single", {"depths": [0.3, 0.7], "samples": 1, "seed": 5}, tokenizer, 600)
+    samples = KINDS["niah"].generate("niah_single", {"depths": [0.3, 0.7], "samples": 1, "seed": 5}, tokenizer, 600)
     noise = ["noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"]
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
     every = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8))
@@ -805,7 +805,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
 
     tokenizer = tiny[1]
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}), [0.5])
-    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tokenizer, 600)
+    (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tokenizer, 600)
     rows = evaluate_sample(sharp, tokenizer, sample, grid, ["agnostic"], 8)
     full = next(r for r in rows if r["method"] == "full")
     assert all(r["noise_kl"] is None and r["noise_diverged_at"] is None for r in rows if r["method"] != "full")
@@ -851,7 +851,7 @@ def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp)
 
     tokenizer = tiny[1]
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP}), [0.5])
-    samples = GENERATORS["multi_turn"]("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
+    samples = KINDS["multi_turn"].generate("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
     modes = ["agnostic", "aware", "multi_turn"]
     columns = ["noise_dtype", "dtype_noise_kl", "dtype_noise_kl_max", "dtype_noise_diverged_at", "dtype_noise_s"]
     same = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=sharp, other_samples=1))
@@ -877,8 +877,8 @@ def test_stepped_prompts_in_one_batch_equal_each_alone(tiny, sharp):
     from kvlab.engine import stepped
 
     tokenizer = tiny[1]
-    samples = GENERATORS["niah"]("niah_single", {"depths": [0.2, 0.8], "samples": 1, "seed": 6}, tokenizer, 500)
-    short = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 7}, tokenizer, 300)
+    samples = KINDS["niah"].generate("niah_single", {"depths": [0.2, 0.8], "samples": 1, "seed": 6}, tokenizer, 500)
+    short = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 7}, tokenizer, 300)
     requests = []
     for n, s in enumerate(samples + short):
         base = prefill(sharp, s.prompt.context)
@@ -923,7 +923,7 @@ def test_groups_of_several_prompts_and_kinds_decode_as_one_batch(tiny, sharp):
              Variant("moba", "block_sparse", 0.25, {"selector": "moba", "block": 16})]
     groups = []
     for seed, ctx, pick, cap in ((1, 500, [1, 2, 3], 9), (2, 620, [4, 5, 5, 0], 12), (3, 560, [6, 7, 8, 3], 5)):
-        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
         base = prefill(sharp, s.prompt.context)
         made = {i: compress(sharp, base, kinds[i]) for i in set(pick)}
         groups.append(([made[i] for i in pick], s.prompt.question + s.prompt.suffix, base.length, cap))
@@ -940,7 +940,7 @@ def test_forced_divergence_is_divergence_of_the_teacher_forced_pass(tiny, sharp)
     from kvlab.engine import divergence, forced_divergence
 
     grid = variants(build(VERIFY_METHODS), [0.5])
-    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 2}, tiny[1], 600)
+    (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 2}, tiny[1], 600)
     base = prefill(sharp, sample.prompt.context)
     caches = [compress(sharp, base, v) for v in grid][::-1]  # the full row last
     tail, ref = sample.prompt.question + sample.prompt.suffix, len(caches) - 1
@@ -999,7 +999,7 @@ def test_verified_dense_rows_resume_where_they_left_the_answer(tiny, sharp, monk
     resumed, streamed = 0, 0
     for seed in (1, 2, 3):
         grid = variants(build(methods), [0.5, 0.1])
-        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tiny[1], 600)
+        (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tiny[1], 600)
         base = prefill(sharp, s.prompt.context)
         caches = [compress(sharp, base, v) for v in grid]
         tail = s.prompt.question + s.prompt.suffix
@@ -1037,7 +1037,7 @@ def test_groups_with_tails_of_one_length_are_fed_in_one_pass(tiny, sharp, monkey
 
     tokenizer, groups = tiny[1], []
     for seed, ctx in ((1, 500), (2, 620), (3, 560)):
-        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
         base = prefill(sharp, s.prompt.context)
         caches = [base.cache, compress(sharp, base, Variant("snap", "kvpress", 0.5, SNAP))]
         groups.append((caches, (s.prompt.question + s.prompt.suffix)[-6:], base.length, 8))
@@ -1081,7 +1081,7 @@ def test_drafted_decoding_gives_the_stepwise_answers_in_fewer_passes(tiny, sharp
 
     tokenizer, groups, bases = tiny[1], [], []
     for seed, ctx in ((1, 500), (2, 620), (3, 560)):
-        (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
+        (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, ctx)
         bases.append(base := prefill(sharp, s.prompt.context))
         caches = [base.cache] + [compress(sharp, base, v) for v in (
             Variant("snap", "kvpress", 0.5, SNAP), Variant("rerot", "kvpress", 0.25, {**STREAM, "wrapper": "KeyRerotationPress"}),
@@ -1222,7 +1222,7 @@ def test_teacher_forcing_in_length_buckets_equals_one_batch(tiny, sharp, monkeyp
     greedy choices of one padded batch (fp32: the padding was masked, so only the kernel's summation order moves)."""
     from kvlab.engine.teacher import forced_divergence, stepwise
 
-    (s,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 5}, tiny[1], 600)
+    (s,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 5}, tiny[1], 600)
     base = prefill(sharp, s.prompt.context)
     grid = variants(build({name: VERIFY_METHODS[name] for name in ("full", "snapkv", "streaming", "kivi2")}), [0.5, 0.25, 0.1])
     caches = [compress(sharp, base, v) for v in grid]

@@ -20,8 +20,6 @@ from kvlab.state.jobs import run_params
 from kvlab.kernels import kvcache, layouts
 from kvlab.methods import KINDS, Variant, build, kind_of, variants
 from kvlab.methods.schemes import SCHEMES
-from kvlab.tasks import GENERATORS
-from kvlab.tasks.base import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = load_schema(ROOT / "workflow" / "config.schema.yaml")
@@ -47,20 +45,52 @@ def test_schemes_are_the_schema_schemes_and_the_readme_table():
     assert set(SCHEMES) <= table, set(SCHEMES) - table
 
 
-def test_task_kinds_are_the_schema_kinds_with_a_shape_and_a_readme_row():
+def task_table() -> dict[str, set[str]]:
+    """README's task table: each kind its row names (first cell), with the names its parameters cell shows."""
+    lines = README.split("  | kind | what it tests | parameters |\n", 1)[1].split("\n")[1:]  # after the |---| line
+    rows = {}
+    for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("  | "))]:
+        kinds, _, params = line.strip(" |").split(" | ")
+        rows |= {k: set(re.findall(r"`(\w+)`", params)) for k in re.findall(r"`(\w+)`", kinds)}
+    return rows
+
+
+def own_params(kind) -> set[str]:
+    """A task kind's parameters beyond the ones every answered task takes (lengths, samples, seed, caps, rounds)."""
+    shared = {f.name for f in dataclasses.fields(tasks.params.Answered)}
+    return {f.name for f in dataclasses.fields(kind.Params)} - shared
+
+
+def test_task_kinds_are_the_schema_kinds_each_named_once_with_a_shape_and_a_readme_row():
     task = SCHEMA["$defs"]["task"]
-    assert set(GENERATORS) == set(task["properties"]["kind"]["enum"]) == branches(task)
-    # niah's shape follows its parameters, ruler's its RULER task and dataset's its entry (Sample.shape); every other
-    # kind has one
-    assert set(GENERATORS) - {"niah", "ruler", "dataset"} <= set(SHAPES) and not set(SHAPES) - set(GENERATORS)
-    rows = {k for line in re.findall(r"^  \| (`[^|]+`) \|", README, flags=re.M) for k in re.findall(r"`(\w+)`", line)}
-    assert set(GENERATORS) <= rows, set(GENERATORS) - rows
+    assert list(tasks.KINDS) == task["properties"]["kind"]["enum"] and set(tasks.KINDS) == branches(task)
+    assert all(kind.NAME == name and callable(kind.shape) and callable(kind.generate) for name, kind in tasks.KINDS.items())
+    table = task_table()
+    assert set(table) == set(tasks.KINDS), set(table) ^ set(tasks.KINDS)
+    for name, kind in tasks.KINDS.items():
+        assert own_params(kind) <= table[name], (name, own_params(kind) - table[name])
+
+
+def test_no_code_outside_a_task_kind_branches_on_it():
+    """No generator writes its kind's name in its samples (they take the module's NAME), and the rules, the run state,
+    the engine, the jobs and the registry compare no task's kind with a name: what differs by kind is the kind's own
+    (`shape`, `default_cap`, `reference_tokens`, `inputs`)."""
+    src = ROOT / "src" / "kvlab"
+    for path in (src / "tasks").glob("*.py"):
+        assert not re.search(r"\bkind=[\"']", path.read_text()), path.name
+    names = "|".join(tasks.KINDS)
+    branch = re.compile(rf"""kind["'\]]*\s*(==|!=|in|not in)\s*[(\[{{]?\s*["']({names})["']""")
+    assert branch.search('task["kind"] == "dataset"') and branch.search('self.kind in ("ruler", "dataset")')  # what it finds
+    places = [ROOT / "Snakefile", *(ROOT / "rules").glob("*.smk"), src / "tasks" / "__init__.py", src / "tasks" / "base.py",
+              *(src / "state").glob("*.py"), *(src / "engine").glob("*.py"), *(src / "steps").glob("*.py")]
+    found = [(path.name, line.strip()) for path in places for line in path.read_text().splitlines() if branch.search(line)]
+    assert not found, found
 
 
 def test_the_guide_names_the_registries_where_they_are():
     guide = README[README.index("## Extending kvlab"):]
     for registry, path in (("KINDS", "src/kvlab/methods/__init__.py"), ("SCHEMES", "src/kvlab/methods/schemes/__init__.py"),
-                           ("KINDS", "src/kvlab/tasks/__init__.py"), ("SHAPES", "src/kvlab/tasks/base.py"),
+                           ("KINDS", "src/kvlab/tasks/__init__.py"),
                            ("SECTIONS", "src/kvlab/report/sections/__init__.py")):
         assert f"`{registry}` (`{path}`)" in " ".join(guide.split()), registry
         assert re.search(rf"^{registry}\b.*=", (ROOT / path).read_text(), flags=re.M), (registry, path)
@@ -145,7 +175,7 @@ class Sketch(MethodKind):
         return {**NO_STORAGE, "scheme": self.params["tag"]}
 '''
 
-ECHO = '''"""A task kind as a contributor adds one: this module, one line in KINDS (and its shape in SHAPES)."""
+ECHO = '''"""A task kind as a contributor adds one: this module and one line in KINDS."""
 
 from __future__ import annotations
 
@@ -155,6 +185,16 @@ from kvlab.util.params import param
 from kvlab.tasks.base import Sample, chat_prompt
 from kvlab.tasks.params import Answered
 
+NAME = "echo"
+
+
+def shape(sample: Sample) -> str:
+    return "echo"
+
+
+def default_cap(spec: dict) -> int:
+    return 3  # a number of a few digits
+
 
 @dataclass(kw_only=True)
 class Params(Answered):
@@ -162,7 +202,7 @@ class Params(Answered):
 
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Sample]:
-    return [Sample(task=name, kind="echo", sample_id=f"{name}-{i}", context_tokens=context_tokens, depth=None, seed=spec["seed"],
+    return [Sample(task=name, kind=NAME, sample_id=f"{name}-{i}", context_tokens=context_tokens, depth=None, seed=spec["seed"],
                    prompt=chat_prompt(tokenizer, " ".join(["plum"] * spec["words"] + [str(i)]), " Which number ends it?"),
                    gold=[str(i)]) for i in range(spec["samples"])]
 '''
@@ -170,8 +210,8 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
 
 @pytest.fixture
 def added_kinds(tmp_path, monkeypatch):
-    """Kinds `sketch` (a method) and `echo` (a task), each a module written to `tmp_path` and one registry line
-    (the task's shape line too), as README's "Extending kvlab" says to add them."""
+    """Kinds `sketch` (a method) and `echo` (a task), each a module written to `tmp_path` and one registry line,
+    as README's "Extending kvlab" says to add them."""
     modules = {}
     for name, text in (("kvlab_sketch", SKETCH), ("kvlab_echo", ECHO)):
         (tmp_path / f"{name}.py").write_text(text)
@@ -180,9 +220,7 @@ def added_kinds(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, modules[name])
         spec.loader.exec_module(modules[name])
     monkeypatch.setitem(KINDS, "sketch", modules["kvlab_sketch"].Sketch)
-    monkeypatch.setitem(tasks.KINDS, "echo", modules["kvlab_echo"])
-    monkeypatch.setitem(GENERATORS, "echo", modules["kvlab_echo"].generate)  # what tasks/__init__.py derives from KINDS
-    monkeypatch.setitem(SHAPES, "echo", "echo")
+    monkeypatch.setitem(tasks.KINDS, modules["kvlab_echo"].NAME, modules["kvlab_echo"])
 
 
 @pytest.fixture
@@ -230,11 +268,14 @@ def test_added_kinds_are_planned_and_evaluated(config_with_added, tiny):
     grid = [v for v in variants(run["methods"], run["budgets"], "echo") if v.method in ("full", "sketchy")]
     assert [v.budget for v in grid if v.method == "sketchy"] == config["budgets"]
     model, tokenizer = tiny
+    cap = tasks.max_new_tokens(config["tasks"]["echo"], config["max_new_tokens"])
+    assert cap == 3 != config["max_new_tokens"]  # the kind's own default_cap
     for sample in tasks.generate("echo", config["tasks"]["echo"], tokenizer, 256):
-        rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 4)
+        rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], cap)
         sketch = [r for r in rows if r["method"] == "sketchy"]
         assert len(sketch) == len(config["budgets"]) and {r["scheme"] for r in sketch} == {"sk"}
         assert {r["task_kind"] for r in rows} == {"echo"} and all(r["kl_vs_full"] == pytest.approx(0, abs=1e-6) for r in sketch)
+        assert {r["shape"] for r in rows} == {"echo"} and max(r["new_tokens"] for r in rows) <= cap
 
 
 def test_defaults_fill_entries_in_the_order_they_had_before_the_schema_was_generated():
@@ -246,6 +287,39 @@ def test_defaults_fill_entries_in_the_order_they_had_before_the_schema_was_gener
     assert list(out["methods"]["snapkv"]) == ["kind", "press", "kwargs"]  # wrapper_kwargs is never filled
     assert list(out["tasks"]["niah_single"]) == ["kind", "context_tokens", "depths", "samples", "seed", "haystack", "keys", "values",
                                                  "queries", "question_position"]
+
+
+@pytest.mark.slow
+def test_a_task_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
+    """A task kind is its module and one line in KINDS (with its import), in a copy of the package, then one config
+    entry: Snakemake plans its job, and its rows carry the kind's name, its shape and its own decoding cap."""
+    import shutil
+
+    import pandas as pd
+    from conftest import snakemake, workflow_copy
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
+    (src / "kvlab" / "tasks" / "echo.py").write_text(ECHO)  # its module
+    registry = src / "kvlab" / "tasks" / "__init__.py"
+    text = registry.read_text()
+    assert text.count("from kvlab.tasks import arithmetic, ") == 1 and text.count("(needle, ") == 1
+    registry.write_text(text.replace("from kvlab.tasks import arithmetic, ", "from kvlab.tasks import arithmetic, echo, ")
+                        .replace("(needle, ", "(needle, echo, "))  # its line in KINDS
+    work = workflow_copy(tmp_path / "run")
+    config = yaml.safe_load((work / "config.yaml").read_text())
+    config["presets"]["smoke"]["tasks"]["echo"] = {"kind": "echo", "context_tokens": [256], "samples": 2}  # its config entry
+    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    out = "results/eval/tiny-qwen2/echo/256.parquet"
+    env = {**__import__("os").environ, "PYTHONPATH": str(src)}  # the copy's kvlab first (kvlab.kernels: the install's)
+    proc = snakemake(work, out, "--config", "preset=smoke", timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = pd.read_parquet(work / out)
+    assert set(rows["task_kind"]) == {"echo"} and set(rows["shape"]) == {"echo"} and set(rows["max_new_tokens"]) == {3}
+    assert {"echo-0", "echo-1"} <= set(rows["sample_id"]) <= {"echo-0", "echo-1", "echo-2"}  # rounds: max_samples 3
+    assert rows["prediction"].notna().all()
+    methods = config["presets"]["smoke"]["methods"]
+    assert set(rows["method"]) == {m for m, entry in methods.items() if "tasks" not in entry}  # every method not kept to others
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from kvlab.engine import Batch, compress, evaluate_sample, prefill, queries
 from kvlab.kernels.h2o import H2OLayer, keep_heavy_and_recent, received_attention
 from kvlab.methods import Variant, build, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 H2O = {"kind": "h2o", "recent": 0.5}
 
@@ -18,7 +18,7 @@ H2O = {"kind": "h2o", "recent": 0.5}
 @pytest.fixture(scope="module")
 def sample(tiny):
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tiny[1], 400)[0]
+    return KINDS["niah"].generate("niah_single", spec, tiny[1], 400)[0]
 
 
 def test_prefill_scores_equal_eager_attention(tiny_dir, tiny):

@@ -6,7 +6,7 @@ import pytest
 from kvlab.steps.benchmark import engine_vs_pipeline
 from kvlab.engine import evaluate_sample
 from kvlab.methods import build, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 pytestmark = pytest.mark.integration
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 def test_qwen_finds_a_1k_needle_with_full_cache(qwen):
     model, tokenizer = qwen
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}
-    (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 1024)
+    (sample,) = KINDS["niah"].generate("niah_single", spec, tokenizer, 1024)
     assert 1024 - 30 < sample.prompt.tokens <= 1024
     grid = variants(build({"full": {"kind": "full"}}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 16)
@@ -26,7 +26,7 @@ def test_qwen_geometry_in_bytes(qwen):
     """24 layers × 2 KV heads × 64 dims × K,V × 4 bytes (float32) = 24,576 bytes per token held."""
     model, tokenizer = qwen
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 1}
-    (sample,) = GENERATORS["niah"]("niah_single", spec, tokenizer, 512)
+    (sample,) = KINDS["niah"].generate("niah_single", spec, tokenizer, 512)
     grid = variants(build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {}}}), [0.25])
     rows = evaluate_sample(model, tokenizer, sample, grid, ["agnostic"], 2)
     n = len(sample.prompt.context)
@@ -62,7 +62,7 @@ def test_kivi_kl_targets_on_real_prose(qwen):
         "hf4": {"kind": "hf_quantized", "bits": 4, "group": 32, "residual": 32},
     }
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 128}
-    (sample,) = GENERATORS["continuation"]("prose_kl", spec, tokenizer, 512)
+    (sample,) = KINDS["continuation"].generate("prose_kl", spec, tokenizer, 512)
     rows = {r["method"]: r for r in evaluate_sample(model, tokenizer, sample, variants(build(methods), [1.0]), ["agnostic"], 1)}
     assert rows["kivi4"]["tf_tokens"] == 128
     assert rows["kivi4"]["kl_vs_full"] <= 0.01
@@ -83,7 +83,7 @@ def test_snapkv_aware_finds_a_1k_needle_that_streaming_llm_loses(qwen):
         "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 32, "kernel_size": 5}},
         "streaming": {"kind": "kvpress", "press": "StreamingLLMPress", "kwargs": {"n_sink": 4}},
     }
-    for sample in GENERATORS["niah"]("niah_single", spec, tokenizer, 1024):
+    for sample in KINDS["niah"].generate("niah_single", spec, tokenizer, 1024):
         rows = evaluate_sample(model, tokenizer, sample, variants(build(methods), [0.25]), ["agnostic", "aware"], 12, kl=False)
         score = {(r["method"], r["question_mode"]): r["score"] for r in rows}
         assert score[("full", "agnostic")] == score[("full", "aware")] == 1.0

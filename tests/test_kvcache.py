@@ -445,11 +445,11 @@ def test_an_append_reads_the_device_once_whatever_it_quantizes(name, monkeypatch
 
 @pytest.fixture(scope="module")
 def sample(tiny):
-    from kvlab.tasks import GENERATORS
+    from kvlab.tasks import KINDS
 
     _, tokenizer = tiny
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 40}
-    return GENERATORS["continuation"]("prose", spec, tokenizer, 200)[0]
+    return KINDS["continuation"].generate("prose", spec, tokenizer, 200)[0]
 
 
 METHODS = {

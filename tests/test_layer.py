@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 from kvlab.engine import Batch, compress, prefill
 from kvlab.kernels.layer import KVLayer, Masked, fork_layer, hidden_entries, own_layout, wants_query
 from kvlab.methods import Variant
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 
 class Watching(KVLayer):
@@ -59,7 +59,7 @@ def test_a_new_layer_kind_is_batched_by_its_traits(tiny, kind):
     from kvlab.engine import Rows
 
     model, tokenizer = tiny
-    p = GENERATORS["niah"]("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}, tokenizer, 300)[0].prompt
+    p = KINDS["niah"].generate("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}, tokenizer, 300)[0].prompt
     base = prefill(model, p.context)
     full = compress(model, base, Variant("full", "full", 1.0))
     ours = compress(model, base, Variant("full", "full", 1.0))

@@ -10,7 +10,7 @@ import pytest
 from kvlab.tools.compare_runs import VARYING
 from kvlab.engine import evaluate_samples
 from kvlab.methods import build, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 SNAP = {"window_size": 16, "kernel_size": 5}
 METHODS = {
@@ -50,7 +50,7 @@ def same(column: str, a, b) -> bool:
 def test_rows_in_waves_equal_rows_in_one_wave(tiny, sharp, size):
     tokenizer = tiny[1]
     spec = {"kind": "multi_turn", "depths": [0.3], "samples": 2, "seed": 2}
-    samples = GENERATORS["multi_turn"]("multi_turn", spec, tokenizer, 400)
+    samples = KINDS["multi_turn"].generate("multi_turn", spec, tokenizer, 400)
     grid = variants(build(METHODS), [0.25, 0.5])
     modes = ["agnostic", "aware", "multi_turn"]
     one = evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=1)

@@ -14,10 +14,10 @@ from kvlab.methods import Variant
 
 @pytest.fixture(scope="module")
 def sample(tiny):
-    from kvlab.tasks import GENERATORS
+    from kvlab.tasks import KINDS
 
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    return GENERATORS["niah"]("niah_single", spec, tiny[1], 700)[0]
+    return KINDS["niah"].generate("niah_single", spec, tiny[1], 700)[0]
 
 
 KIVI4 = {"scheme": "kivi", "bits": 4, "group": 32, "residual": 32, "key_axis": "channel", "value_axis": "token"}

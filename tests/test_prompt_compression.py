@@ -11,7 +11,7 @@ from kvlab.engine.compress import SERVICES
 from kvlab.engine.prefill import self_information
 from kvlab.methods import Variant
 from kvlab.methods.prompt import PromptCompression, information, kept_positions
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 
 def test_keeps_the_budget_of_the_span_by_information():
@@ -52,7 +52,7 @@ def test_a_compressed_prompt_decodes_as_the_short_prompt(tiny, aware):
     tail, it gives the logits of the short prompt run from scratch, whose positions start at 0."""
     model, tokenizer = tiny
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}
-    p = GENERATORS["niah"]("niah_single", spec, tokenizer, 300)[0].prompt
+    p = KINDS["niah"].generate("niah_single", spec, tokenizer, 300)[0].prompt
     assert 0 < p.head < len(p.context)
     base = prefill(model, p.context)
     base.span = (p.head, len(p.context))

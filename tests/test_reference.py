@@ -14,7 +14,7 @@ from kvlab.engine import evaluate_samples
 from kvlab.engine.reference import Reader, evaluate, greedy_answer, path_logprobs
 from kvlab.engine import compress, prefill
 from kvlab.methods import Variant, build, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 
 SNAP = {"window_size": 16, "kernel_size": 5}
 METHODS = {  # one method per cache kind
@@ -38,7 +38,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def samples(tiny):
     spec = {"kind": "niah", "depths": [0.3, 0.7], "samples": 1, "seed": 1}
-    return GENERATORS["niah"]("niah_single", spec, tiny[1], 400)
+    return KINDS["niah"].generate("niah_single", spec, tiny[1], 400)
 
 
 @pytest.fixture(scope="module")

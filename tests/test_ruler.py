@@ -140,7 +140,7 @@ def test_samples_are_rulers_own(task, tiny, tmp_path):
 
 
 def test_shapes_and_metrics_follow_rulers_tasks():
-    shapes = {t: ruler.shape(ruler.task_config(t)) for t in ruler.task_names()}
+    shapes = {t: ruler.task_shape(ruler.task_config(t)) for t in ruler.task_names()}
     assert shapes == {
         "niah_single_1": "single needle", "niah_single_2": "single needle", "niah_single_3": "single needle",
         "niah_multikey_1": "several needles", "niah_multikey_2": "several needles", "niah_multikey_3": "several needles",

@@ -11,7 +11,7 @@ import torch
 from kvlab.engine import compress, prefill, teacher_forced
 from kvlab.kernels import kvcache, stream
 from kvlab.methods import build, kind_of, variants
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 from test_kvcache import SPECS, qspec, random_kv, rope_tables
 
 STREAM_SPECS = {
@@ -101,7 +101,7 @@ def test_teacher_forcing_in_one_pass_equals_token_by_token(tiny, sharp):
         "int8": qspec("int8"), "fp8": qspec("fp8"),
         "snap_kivi2": {**qspec("kivi", bits=2, residual=8, group=8), "press": "SnapKVPress", "kwargs": {"window_size": 16}},
     }
-    (sample,) = GENERATORS["niah"]("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tiny[1], 500)
+    (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 1}, tiny[1], 500)
     base = prefill(sharp, sample.prompt.context)
     caches = [compress(sharp, base, v) for v in variants(build(methods), [0.5])]
     tail = sample.prompt.question + sample.prompt.suffix

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from kvlab.tasks import GENERATORS
+from kvlab.tasks import KINDS
 from kvlab.tasks.frequent_words import zipf_counts
 from kvlab.tasks.needle import QUESTION
 
@@ -29,7 +29,7 @@ def tokenizer(tiny):
 
 def generate(tokenizer, name, target=1000, **override):
     spec = {**SPECS[name], **override}
-    return GENERATORS[spec["kind"]](name, spec, tokenizer, target)
+    return KINDS[spec["kind"]].generate(name, spec, tokenizer, target)
 
 
 def text(tokenizer, ids):
@@ -145,7 +145,7 @@ def test_continuation_is_the_true_next_text(tokenizer):
 
 
 def test_arithmetic_answers_are_right(tokenizer):
-    samples = GENERATORS["arithmetic"]("arith", {"samples": 10, "seed": 0}, tokenizer, 1024)
+    samples = KINDS["arithmetic"].generate("arith", {"samples": 10, "seed": 0}, tokenizer, 1024)
     assert {s.meta["template"] for s in samples} == {"marbles", "bakery", "train", "savings", "orchard"}
     for s in samples:
         problem = text(tokenizer, s.prompt.context)
@@ -174,7 +174,7 @@ def test_bad_parameters_are_clear_errors(tokenizer, name, target, message):
     with pytest.raises(ValueError, match="queries"):
         generate(tokenizer, "niah", 1000, keys=1, queries=2)
     with pytest.raises(ValueError, match="too short; a problem needs"):
-        GENERATORS["arithmetic"]("arith", {"samples": 1, "seed": 0}, tokenizer, 40)
+        KINDS["arithmetic"].generate("arith", {"samples": 1, "seed": 0}, tokenizer, 40)
 
 
 def test_samples_per_context_length(tokenizer):

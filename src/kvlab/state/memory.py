@@ -294,13 +294,15 @@ class Job:
 
 
 def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[Job]:
-    """The evaluation jobs of a preset (or its one `task`), as the memory model reads them: prose (continuation)
-    prefills its document alone and teacher-forces its reference text; the other tasks prefill the question-aware
-    prompt too where a question mode needs it, and teacher-force the full cache's answer (at most max_new_tokens)."""
+    """The evaluation jobs of a preset (or its one `task`), as the memory model reads them: a task whose kind
+    teacher-forces a reference text (prose continuation: kvlab.tasks.reference_tokens) prefills its document alone;
+    the other tasks prefill the question-aware prompt too where a question mode needs it, and teacher-force the full
+    cache's answer (at most their decoding cap, kvlab.tasks.max_new_tokens)."""
     import yaml
 
     from kvlab.state.config import resolve
     from kvlab.methods import build, variants
+    from kvlab.tasks import max_new_tokens, reference_tokens
 
     config = yaml.safe_load(Path(config_path).read_text())
     if preset:
@@ -312,10 +314,10 @@ def preset_jobs(preset: str | None, task: str | None, config_path: str) -> list[
     jobs = []
     for name in [task] if task else list(config["tasks"]):
         spec, grid = config["tasks"][name], variants(methods, config["budgets"], name)
-        prose = spec["kind"] == "continuation"
-        path = spec["continuation_tokens"] if prose else spec.get("max_new_tokens", config["max_new_tokens"]) + 1
+        reference = reference_tokens(spec)  # prose: no question, its reference text teacher-forced
+        path = reference or max_new_tokens(spec, config["max_new_tokens"]) + 1
         jobs.append(Job(name, [Row.of(v) for v in grid], next(i for i, v in enumerate(grid) if v.kind == "full"),
-                        1 if prose else 1 + aware, path))
+                        1 if reference else 1 + aware, path))
     return jobs
 
 

@@ -24,7 +24,7 @@ from kvlab.util.hardware import device_name
 from kvlab.util.io import write_parquet
 from kvlab.methods import variants
 from kvlab.models.card import read_card
-from kvlab.tasks import GENERATORS, generate, max_new_tokens
+from kvlab.tasks import KINDS, generate, max_new_tokens
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_p
     card = read_card(model_dir)
     model, tokenizer = load_model(model_dir, run["dtype"], run["device"])
     spec = {"kind": "continuation", "samples": 1, "seed": 0, "continuation_tokens": 2}
-    sample = GENERATORS["continuation"]("throughput", spec, tokenizer, context_tokens)[0]
+    sample = KINDS["continuation"].generate("throughput", spec, tokenizer, context_tokens)[0]
     t0 = time.perf_counter()
     base = prefill(model, sample.prompt.context)
     prefill_s = time.perf_counter() - t0

@@ -1,25 +1,23 @@
-"""Task kinds: one module per kind, one line here. A kind's module declares its parameters in `Params` (from which
-kvlab.state.config makes the kind's branch of the config schema: kvlab.util.params, kvlab.tasks.params), has `generate(task
-name, its config entry, the model's tokenizer, a context length)`, which returns seeded, deterministic Samples
-(`generate` below calls it with the entry's `samples` for that length), and may have `problem(name, spec)`, the entry's first problem the schema cannot
-express as (key under the task, what is wrong and what would be right) or None, and `derive(name, spec)`, which fills
-values that follow from others; config validation calls both (`problem`, `derive` below)."""
+"""Task kinds: one module per kind, one line here. A kind's module declares, once:
+
+- `NAME`, the kind's name (a config entry's `kind`, rows' `task_kind`);
+- `Params`, its parameters (from which kvlab.state.config makes the kind's branch of the config schema:
+  kvlab.util.params, kvlab.tasks.params);
+- `generate(task name, its config entry, the model's tokenizer, a context length)`, which returns seeded,
+  deterministic Samples of kind `NAME` (`generate` below calls it with the entry's `samples` for that length);
+- `shape(sample)`, the sample's shape: the report's grouping, one row per shape in the article's decision table;
+
+and, where it needs them: `problem(name, spec)`, the entry's first problem the schema cannot express as (key under
+the task, what is wrong and what would be right) or None; `derive(name, spec)`, which fills values that follow from
+others (config validation calls both: `problem`, `derive` below); `default_cap(spec)`, its answers' decoding cap where
+the entry sets none (else the run's `max_new_tokens`); `reference_tokens(spec)`, the tokens of the reference text its
+samples teacher-force where they ask no question (prose); `inputs(spec)`, the files its samples are read from (a
+changed file reruns its jobs)."""
 
 from kvlab.tasks import arithmetic, common_words, continuation, dataset, frequent_words, multi_turn, needle, recency, ruler, variable_tracking
 
-KINDS = {
-    "niah": needle,
-    "recency": recency,
-    "variable_tracking": variable_tracking,
-    "multi_turn": multi_turn,
-    "common_words": common_words,
-    "frequent_words": frequent_words,
-    "arithmetic": arithmetic,
-    "continuation": continuation,
-    "ruler": ruler,
-    "dataset": dataset,
-}
-GENERATORS = {kind: module.generate for kind, module in KINDS.items()}
+KINDS = {kind.NAME: kind for kind in (needle, recency, variable_tracking, multi_turn, common_words, frequent_words, arithmetic, continuation,
+                                      ruler, dataset)}
 
 
 def problem(name: str, spec: dict) -> tuple[str, str] | None:
@@ -34,20 +32,31 @@ def derive(name: str, spec: dict) -> None:
     if fill:
         fill(name, spec)
 
-# A kind's own decoding cap where its task sets none (else the run's `max_new_tokens`): RULER lets a model write
-# its tokens_to_generate (128 for niah, 120 for cwe, 50 for fwe, 32 for qa, 30 for vt), and a shorter cap cuts
-# answers its metric needs whole (several values, ten words).
-DEFAULT_CAPS = {
-    "ruler": lambda spec: ruler.task_config(spec["ruler_task"])["tokens_to_generate"],
-}
+
+def shape(sample) -> str:
+    """A sample's shape, as its kind gives it (kvlab.tasks.base.Sample.shape)."""
+    return KINDS[sample.kind].shape(sample)
 
 
 def max_new_tokens(spec: dict, run_default: int) -> int:
-    """A task's greedy decoding cap: its own `max_new_tokens`, else its kind's default, else the run's."""
+    """A task's greedy decoding cap: its own `max_new_tokens`, else its kind's `default_cap`, else the run's."""
     if "max_new_tokens" in spec:
         return spec["max_new_tokens"]
-    kind_cap = DEFAULT_CAPS.get(spec["kind"])
+    kind_cap = getattr(KINDS[spec["kind"]], "default_cap", None)
     return kind_cap(spec) if kind_cap else run_default
+
+
+def reference_tokens(spec: dict) -> int | None:
+    """The reference tokens a task's samples teacher-force in place of an answer (its kind's `reference_tokens`: prose
+    continuation's), or None where its samples are asked a question and answer it."""
+    tokens = getattr(KINDS[spec["kind"]], "reference_tokens", None)
+    return tokens(spec) if tokens else None
+
+
+def inputs(spec: dict) -> list[str]:
+    """The files a task's samples are read from (its kind's `inputs`: a dataset's file), [] where it generates them."""
+    files = getattr(KINDS[spec["kind"]], "inputs", None)
+    return files(spec) if files else []
 
 
 def samples_at(spec: dict, context_tokens: int) -> int:
@@ -65,4 +74,4 @@ def samples_at(spec: dict, context_tokens: int) -> int:
 
 def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list:
     """The samples of task `name` (its config entry `spec`) at `context_tokens`, from its kind's generator."""
-    return GENERATORS[spec["kind"]](name, {**spec, "samples": samples_at(spec, context_tokens)}, tokenizer, context_tokens)
+    return KINDS[spec["kind"]].generate(name, {**spec, "samples": samples_at(spec, context_tokens)}, tokenizer, context_tokens)

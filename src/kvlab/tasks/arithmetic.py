@@ -10,6 +10,13 @@ import random
 from kvlab.tasks.base import Sample, chat_prompt, independent
 from kvlab.tasks.params import Answered
 
+NAME = "arithmetic"
+
+
+def shape(sample: Sample) -> str:
+    return "reasoning"
+
+
 Params = Answered  # no parameters of its own
 
 NAMES = ("Ada", "Ben", "Chloe", "Dev", "Elena", "Farid", "Grace", "Hugo", "Iris", "Jonas", "Kemi", "Leo")
@@ -86,7 +93,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
             raise ValueError(f"task '{name}': context_tokens {context_tokens} is too short; a problem needs {prompt.tokens} tokens")
         return Sample(
             task=name,
-            kind="arithmetic",
+            kind=NAME,
             sample_id=f"{name}-{template.__name__}-s{i}",
             context_tokens=context_tokens,
             depth=None,

@@ -54,12 +54,6 @@ class Prompt:
         return hashlib.sha1(json.dumps(pieces, default=int).encode()).hexdigest()
 
 
-SHAPES = {
-    "recency": "recency", "variable_tracking": "multi-hop", "multi_turn": "multi-turn", "common_words": "aggregation",
-    "frequent_words": "aggregation", "arithmetic": "reasoning", "continuation": "prose",
-}  # task kind -> shape (niah splits by its parameters, ruler by its RULER task: see Sample.shape)
-
-
 @dataclass(frozen=True)
 class Sample:
     task: str
@@ -75,14 +69,11 @@ class Sample:
 
     @property
     def shape(self) -> str:
-        """The task's shape, the report's grouping (the article's decision table has one row per shape)."""
-        if self.kind in ("ruler", "dataset"):
-            return self.meta["shape"]
-        if self.kind != "niah":
-            return SHAPES[self.kind]
-        if not self.prompt.question:
-            return "needle, question first"
-        return "single needle" if len(self.gold) == 1 and len(self.meta["keys"]) == 1 else "several needles"
+        """The task's shape, the report's grouping (the article's decision table has one row per shape), as the
+        sample's kind gives it (its module's `shape`)."""
+        from kvlab.tasks import shape  # the kinds' registry, which imports the kinds, which import this module
+
+        return shape(self)
 
     def row(self) -> dict:
         """The columns every result row of this sample carries."""

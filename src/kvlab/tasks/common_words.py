@@ -17,6 +17,13 @@ QUESTION = "What are the {k} most common words in the list above? Answer with th
 
 
 
+NAME = "common_words"
+
+
+def shape(sample: Sample) -> str:
+    return "aggregation"
+
+
 @dataclass(kw_only=True)
 class Params(Answered):
     common_words: int = param(5, "how many words recur (the answer)", minimum=1, maximum=20)
@@ -51,7 +58,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, index: int, rng) 
     n = fit(name, target, build)
     return Sample(
         task=name,
-        kind="common_words",
+        kind=NAME,
         sample_id=f"{name}-{target}-s{index}",
         context_tokens=target,
         depth=None,

@@ -13,6 +13,17 @@ from kvlab.tasks.base import Prompt, Sample, independent
 from kvlab.tasks.params import TaskParams
 
 
+NAME = "continuation"
+
+
+def shape(sample: Sample) -> str:
+    return "prose"
+
+
+def reference_tokens(spec: dict) -> int:
+    return spec["continuation_tokens"]  # teacher-forced after the prefix; no question, no answer
+
+
 @dataclass(kw_only=True)
 class Params(TaskParams):  # nothing is answered: no decoding cap, no sequential rounds
     continuation_tokens: int = param(128, "true continuation tokens teacher-forced for KL and perplexity", minimum=2, maximum=4096)
@@ -30,7 +41,7 @@ def generate(name: str, spec: dict, tokenizer, context_tokens: int) -> list[Samp
         prompt = Prompt(ids[: context_tokens - 1], [], ids[context_tokens - 1 : context_tokens], reference=ids[context_tokens:want])
         return Sample(
             task=name,
-            kind="continuation",
+            kind=NAME,
             sample_id=f"{name}-{context_tokens}-s{i}",
             context_tokens=context_tokens,
             depth=None,

@@ -55,6 +55,17 @@ PROMPTS_ONLY_RECIPES = {"qa_mix": False, "chat_mix": True}  # whether a recipe's
 DEFAULT_TEMPLATE = "{context}\n\n{question}"
 
 
+NAME = "dataset"
+
+
+def shape(sample: Sample) -> str:
+    return sample.meta["shape"]  # its entry's (`entry_shape`)
+
+
+def inputs(spec: dict) -> list[str]:
+    return [spec["path"]]  # the user's file, or the one its recipe writes
+
+
 @dataclass(kw_only=True)
 class Params:  # Answered's keys, after its own (defaults are filled in this order)
     SCHEMA: ClassVar[dict] = {"oneOf": [{"required": ["path"]}, {"required": ["recipe"]}]}
@@ -164,7 +175,7 @@ def rows_problem(spec: dict, records) -> tuple[str, str] | None:
     return None
 
 
-def shape(name: str, spec: dict) -> str:
+def entry_shape(name: str, spec: dict) -> str:
     """The report's row for this workload: its `shape`, else 'workload <name>'."""
     return spec.get("shape") or f"workload {name}"
 
@@ -216,7 +227,7 @@ def make_sample(name: str, spec: dict, tokenizer, context_tokens: int, template:
 def _sample(name: str, spec: dict, context_tokens: int, record: Record, prompt: Prompt, cut: int) -> Sample:
     return Sample(
         task=name,
-        kind="dataset",
+        kind=NAME,
         sample_id=f"{name}-{context_tokens}-{record.id}",
         context_tokens=context_tokens,
         depth=None,
@@ -224,7 +235,7 @@ def _sample(name: str, spec: dict, context_tokens: int, record: Record, prompt: 
         prompt=prompt,
         gold=list(record.answers),
         metric=spec["metric"],
-        meta={"shape": shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut,
+        meta={"shape": entry_shape(name, spec), "row": record.row, "path": str(spec["path"]), "cut_tokens": cut,
               "field": "messages" if record.messages else "context"},
     )
 

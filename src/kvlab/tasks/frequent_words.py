@@ -16,6 +16,13 @@ QUESTION = "What are the three most frequent words in the text above? Answer wit
 TOP = 3
 
 
+NAME = "frequent_words"
+
+
+def shape(sample: Sample) -> str:
+    return "aggregation"
+
+
 @dataclass(kw_only=True)
 class Params(Answered):
     alpha: float = param(2.0, "Zipf exponent of word counts", exclusiveMinimum=0)
@@ -59,7 +66,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, index: int, rng) 
         raise ValueError(f"task '{name}': context_tokens {target} leaves too few words for a top {TOP}")
     return Sample(
         task=name,
-        kind="frequent_words",
+        kind=NAME,
         sample_id=f"{name}-{target}-s{index}",
         context_tokens=target,
         depth=None,

@@ -9,6 +9,13 @@ from kvlab.tasks.haystack import Filler
 from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_values, render
 from kvlab.tasks.params import AtDepths
 
+NAME = "multi_turn"
+
+
+def shape(sample: Sample) -> str:
+    return "multi-turn"
+
+
 Params = AtDepths  # no parameters of its own
 
 
@@ -29,7 +36,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
     n = fit(name, target, build)
     return Sample(
         task=name,
-        kind="multi_turn",
+        kind=NAME,
         sample_id=f"{name}-{target}-d{depth:g}-s{index}",
         context_tokens=target,
         depth=depth,

@@ -35,6 +35,17 @@ QUESTION_VALUES = "What are all the special magic numbers for {key} mentioned in
 QUESTION_KEYS = "What are the special magic numbers for {keys} mentioned in the text? Answer with the numbers only."
 
 
+NAME = "niah"
+
+
+def shape(sample: Sample) -> str:
+    """One needle asked after the document, several (distractor keys, several values or keys asked at once), or a
+    needle asked before the document."""
+    if not sample.prompt.question:
+        return "needle, question first"
+    return "single needle" if len(sample.gold) == 1 and len(sample.meta["keys"]) == 1 else "several needles"
+
+
 @dataclass(kw_only=True)
 class Params(AtDepths):
     keys: int = param(1, "needles with distinct keys (the ones not asked are distractors)", minimum=1, maximum=16)
@@ -111,7 +122,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
     n = fit(name, target, build)
     return Sample(
         task=name,
-        kind="niah",
+        kind=NAME,
         sample_id=f"{name}-{target}-d{depth:g}-s{index}",
         context_tokens=target,
         depth=depth,

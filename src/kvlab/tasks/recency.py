@@ -13,6 +13,13 @@ from kvlab.tasks.needle import INSTRUCTION, NEEDLE, QUESTION, draw_keys, draw_va
 from kvlab.tasks.params import InHaystack
 
 
+NAME = "recency"
+
+
+def shape(sample: Sample) -> str:
+    return "recency"
+
+
 @dataclass(kw_only=True)
 class Params(InHaystack):
     from_end_tokens: list[int] = param(doc="distances (model tokens) between the needle and the end of the document",
@@ -41,7 +48,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, distance: int, in
     prompt = render(tokenizer, INSTRUCTION, sentences, [(at / n, needle)], question, "after")
     return Sample(
         task=name,
-        kind="recency",
+        kind=NAME,
         sample_id=f"{name}-{target}-e{distance}-s{index}",
         context_tokens=target,
         depth=at / n,

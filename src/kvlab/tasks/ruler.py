@@ -46,14 +46,27 @@ QUESTION = {
     "qa": re.compile(r"Answer the question based on the given documents\."),
 }
 ANSWER = {"niah": re.compile(r"The special magic")} | {g: re.compile(r"Answer:") for g in QUESTION if g != "niah"}
-SHAPES = {"variable_tracking": "multi-hop", "common_words_extraction": "aggregation", "freq_words_extraction": "aggregation",
-          "qa": "document QA"}  # niah: single needle or several needles, by its arguments (see `shape`)
+GENERATOR_SHAPES = {"variable_tracking": "multi-hop", "common_words_extraction": "aggregation", "freq_words_extraction": "aggregation",
+                    "qa": "document QA"}  # niah: single needle or several needles, by its arguments (see `task_shape`)
 # What each generator prints once it has fitted its filler to the length; a count of 0 means the length is too short
 # (and RULER's generators then loop forever retrying a sample that cannot fit).
 FITTED = re.compile(r"^(Num haystack|Number of documents|Num noises|num_words): (-?\d+)$")
 
 TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
          "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")  # synthetic.yaml's, at the pin
+
+
+NAME = "ruler"
+
+
+def shape(sample: Sample) -> str:
+    return sample.meta["shape"]  # its RULER task's (`task_shape`)
+
+
+def default_cap(spec: dict) -> int:
+    """RULER lets a model write its task's tokens_to_generate (128 for niah, 120 for cwe, 50 for fwe, 32 for qa, 30
+    for vt), and a shorter cap cuts answers its metric needs whole (several values, ten words)."""
+    return task_config(spec["ruler_task"])["tokens_to_generate"]
 
 
 @dataclass(kw_only=True)
@@ -201,9 +214,9 @@ def split(generator: str, text: str) -> tuple[str, str, str]:
     return text[:at], text[at : answer.start()], text[answer.start() :]
 
 
-def shape(config: dict) -> str:
+def task_shape(config: dict) -> str:
     if config["generator"] != "niah":
-        return SHAPES[config["generator"]]
+        return GENERATOR_SHAPES[config["generator"]]
     args = config["args"]
     several = args["num_needle_k"] > 1 or args["num_needle_v"] > 1 or args["num_needle_q"] > 1 or args["type_haystack"] == "needle"
     return "several needles" if several else "single needle"
@@ -214,7 +227,7 @@ def make_sample(name: str, spec: dict, config: dict, tokenizer, target: int, row
     prompt = chat_prompt(tokenizer, document, question)
     return Sample(
         task=name,
-        kind="ruler",
+        kind=NAME,
         sample_id=f"{name}-{target}-s{row['index']}",
         context_tokens=target,
         depth=None,
@@ -222,6 +235,6 @@ def make_sample(name: str, spec: dict, config: dict, tokenizer, target: int, row
         prompt=replace(prompt, suffix=prompt.suffix + encode(tokenizer, answer_prefix)),
         gold=list(row["outputs"]),
         metric=config["metric"],
-        meta={"ruler_task": config["task"], "shape": shape(config), "answer_prefix": answer_prefix,
+        meta={"ruler_task": config["task"], "shape": task_shape(config), "answer_prefix": answer_prefix,
               "ruler_length": row["length"]},
     )

@@ -21,6 +21,13 @@ QUESTION = (
 
 
 
+NAME = "variable_tracking"
+
+
+def shape(sample: Sample) -> str:
+    return "multi-hop"
+
+
 @dataclass(kw_only=True)
 class Params(AtDepths):
     hops: int = param(4, "variables in each chain", minimum=1, maximum=16)
@@ -51,7 +58,7 @@ def make_sample(name: str, spec: dict, tokenizer, target: int, depth: float, ind
     n = fit(name, target, lambda k: render(tokenizer, INSTRUCTION, filler.take(k), inserts, question, "after"))
     return Sample(
         task=name,
-        kind="variable_tracking",
+        kind=NAME,
         sample_id=f"{name}-{target}-d{depth:g}-s{index}",
         context_tokens=target,
         depth=depth,

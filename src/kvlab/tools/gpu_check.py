@@ -103,7 +103,7 @@ def memory(context: int, device: str, dtype: str, layers: int, share: float) -> 
     from kvlab.state.memory import GB, job_waves
     from kvlab.methods import build, variants
     from kvlab.models.tiny import byte_level_tokenizer
-    from kvlab.tasks import GENERATORS
+    from kvlab.tasks import KINDS
 
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen2", **{**QWEN2_5_0_5B, "num_hidden_layers": layers})
@@ -111,7 +111,7 @@ def memory(context: int, device: str, dtype: str, layers: int, share: float) -> 
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), attn_implementation=ATTENTION)
     model.eval().requires_grad_(False)
     tokenizer = byte_level_tokenizer()  # one token per byte: a context of `context` tokens whatever the weights
-    (sample,) = GENERATORS["niah"]("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, context)
+    (sample,) = KINDS["niah"].generate("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0}, tokenizer, context)
     grid = variants(build(LONG_METHODS), [0.25])
     run = {"memory": {"share": share}, "device": device, "dtype": dtype, "question_modes": ["agnostic", "aware"]}
     loaded = torch.cuda.memory_allocated() if device == "cuda" else 0
