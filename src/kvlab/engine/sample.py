@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 from kvlab.engine.compress import cache_stats, compress
 from kvlab.engine.floors import dtype_floor, noise_floor, stepped_noise
@@ -114,55 +113,99 @@ def evaluate_samples(
     (it still gets every row those compressions give). `on_rows`, if given, is called with the number of rows each
     sample adds once its teacher-forced passes are done (its diverged rows' answers may still wait for the joint
     decode; a job's progress lines). `waves`: how each compression's variants are split into waves that fit the job's
-    memory budget (`_rows`; None: one wave).
+    memory budget (`_compressed`; None: one wave).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
-    ref = next(i for i, v in enumerate(variants) if v.kind == "full")
+    shared = Shared(model, tokenizer, variants, next(i for i, v in enumerate(variants) if v.kind == "full"), max_new_tokens,
+                    kl, open_modes, waves)
     plans = [plan(model, sample, modes) for sample in samples]
-    wanted = [(i, key, number) for i, pl in enumerate(plans) for key, labelled in pl.turns_of.items()
-              for number in labelled if pl.verified(number)]
-
-    def measured(limit: int | None, i: int) -> bool:
-        return limit is None or i < limit
-
-    t0 = time.perf_counter()
-    answers, kept = decode_references(model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
-                                               plans[i].bases[key][0].length) for i, key, number in wanted], max_new_tokens,
-                                      keep={n for n, (i, _, _) in enumerate(wanted) if kl and measured(noise_samples, i)},
-                                      sources=[plans[i].bases[key][0].ids for i, key, _ in wanted])
-    reference_s = (time.perf_counter() - t0) / max(len(wanted), 1)
-    paths = dict(zip(wanted, answers))
-    steps = {wanted[n]: logits for n, logits in kept.items()}  # the noise floor's one-token steps, already taken
-    del kept
-
+    full = _full_answers(shared, plans, [kl and _measured(noise_samples, i) for i in range(len(plans))])
     pending: list[Pending] = []  # the measured full rows' noise floors, filled in once every sample's rows are made
-    waiting, most = Waiting(model, pending), tuned(model.device).diverged_bytes
+    owner: list[int] = []  # the sample of each entry of `pending`
+    waiting, most, rows = Waiting(model), tuned(model.device).diverged_bytes, []
     for i, pl in enumerate(plans):
-        wanted_here = measured(noise_samples, i) or (other is not None and measured(other_samples, i))
-        makers, verified, count = _rows(model, tokenizer, pl, variants, ref, max_new_tokens, kl,
-                                        {k[1:]: v for k, v in paths.items() if k[0] == i}, reference_s,
-                                        pending if wanted_here else None, open_modes,
-                                        {k[1:]: steps.pop(k) for k in list(steps) if k[0] == i}, waves)
-        waiting.add(i, makers, verified)
+        wanted_here = _measured(noise_samples, i) or (other is not None and _measured(other_samples, i))
+        before = len(pending)
+        turns = _sample_rows(shared, pl, full[i], pending if wanted_here else None)
+        owner += [i] * (len(pending) - before)
+        rows += [row for turn in turns for made in turn.rows for row in made]
+        waiting.add(turns)
         if on_rows is not None:
-            on_rows(count)
+            on_rows(sum(len(made) for turn in turns for made in turn.rows))
         if waiting.held > most:
             waiting.settle()
     waiting.settle()
-    chosen = [measured(noise_samples, i) for i in waiting.owner]
+    _floors(model, pending, owner, noise_samples, other, other_samples)
+    return rows
+
+
+def _measured(limit: int | None, i: int) -> bool:
+    """Whether the job's sample `i` is among the first `limit` (None: every sample)."""
+    return limit is None or i < limit
+
+
+def _floors(model, pending: list[Pending], owner: list[int], noise_samples: int | None, other, other_samples: int | None) -> None:
+    """Fill in the noise floors of the pending full rows (`evaluate_samples`): of the first `noise_samples` samples,
+    a verified turn's from its reference's own decoding (measured in `_sample_rows`), the others' stepped together as
+    one batch; with `other`, the dtype floor of the first `other_samples` samples' full rows."""
+    chosen = [_measured(noise_samples, i) for i in owner]
     for entry, keep in zip(pending, chosen):
-        if keep and entry.request.noise is not None:  # a verified turn's: measured from its reference's own decoding (`_rows`)
+        if keep and entry.request.noise is not None:  # a verified turn's: measured from its reference's own decoding
             for row in entry.rows:
                 row.update(entry.request.noise)
     _fill(pending, [keep and entry.request.noise is None for entry, keep in zip(pending, chosen)],
           lambda todo: noise_floor(model, [entry.request.stepping() for entry in todo]), "noise_s")
     if other is not None:
         dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
-        _fill(pending, [measured(other_samples, i) for i in waiting.owner],
+        _fill(pending, [_measured(other_samples, i) for i in owner],
               lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(e.ids, e.request.path, e.request.logp_ref) for e in todo])],
               "dtype_noise_s")
-    return waiting.rows
+
+
+@dataclass
+class Shared:
+    """What every sample of one `evaluate_samples` call shares: the model and tokenizer, the variants (the reference
+    at `ref`), the decoding cap, whether KL is read, the modes each variant still needs and the memory waves."""
+
+    model: object
+    tokenizer: object
+    variants: list[Variant]
+    ref: int
+    max_new_tokens: int
+    kl: bool
+    open_modes: dict | None
+    waves: object
+
+
+@dataclass
+class FullAnswers:
+    """One sample's full-cache answers, decoded with every sample's as one batch (`_full_answers`): (compression key,
+    turn) -> answer; the logits the measured ones were chosen from (`steps`: a verified turn's noise floor reads them,
+    `stepped_noise`, each freed once used); and each answer's share of the batch's seconds."""
+
+    paths: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _full_answers(shared: Shared, plans: list[Plan], keep: list[bool]) -> list[FullAnswers]:
+    """The full cache's answers of every sample's verified turns, decoded as one batch (`decode_references`), with the
+    one-token steps of the samples `keep` marks kept for their noise floors; the seconds split evenly among them."""
+    wanted = [(i, key, number) for i, pl in enumerate(plans) for key, labelled in pl.turns_of.items()
+              for number in labelled if pl.verified(number)]
+    t0 = time.perf_counter()
+    answers, kept = decode_references(shared.model, [(plans[i].bases[key][0].cache, plans[i].turns[key][number - 1][0],
+                                                      plans[i].bases[key][0].length) for i, key, number in wanted],
+                                      shared.max_new_tokens, keep={n for n, (i, _, _) in enumerate(wanted) if keep[i]},
+                                      sources=[plans[i].bases[key][0].ids for i, key, _ in wanted])
+    seconds = (time.perf_counter() - t0) / max(len(wanted), 1)
+    full = [FullAnswers(seconds=seconds) for _ in plans]
+    for n, ((i, key, number), answer) in enumerate(zip(wanted, answers)):
+        full[i].paths[key, number] = answer
+        if n in kept:
+            full[i].steps[key, number] = kept.pop(n)
+    return full
 
 
 @dataclass
@@ -195,33 +238,30 @@ class Pending:
 
 
 class Waiting:
-    """Samples whose rows wait for their verified turns' diverged rows to be decoded (`evaluate_samples`): each sample's
-    row makers (`_rows`), the verified turns, and the bytes their diverged rows' caches hold. `settle` decodes every
-    waiting turn's diverged rows at once, one batch per kind, then makes the rows, in order, into `rows`; `owner`
-    gives the sample of each entry its makers added to `pending`."""
+    """Verified turns whose diverged rows are not decoded yet (`evaluate_samples`), and the bytes their caches hold:
+    `settle` decodes every waiting turn's diverged rows at once, one batch per kind, then writes their answers into
+    the turns' rows (`TurnRows.answer`)."""
 
-    def __init__(self, model, pending: list[Pending]):
-        self.model, self.pending = model, pending
-        self.rows: list[dict] = []
-        self.owner: list[int] = []
-        self.makers: list[tuple[int, list]] = []
-        self.runs: list[Verified] = []
+    def __init__(self, model):
+        self.model = model
+        self.turns: list[TurnRows] = []
         self.held = 0
 
-    def add(self, sample: int, makers: list, verified: list[Verified]) -> None:
-        """A sample's row makers and its verified turns, whose diverged rows are not decoded yet."""
-        self.makers.append((sample, makers))
-        self.runs += verified
-        self.held += sum(cache_bytes(c) for run in verified for part in run.diverged for c in part.group.caches)
+    def add(self, turns: list[TurnRows]) -> None:
+        """A sample's turns: those decoded row by row are answered now, the verified ones wait for `settle`."""
+        for turn in turns:
+            if isinstance(turn.answers, Verified):
+                self.turns.append(turn)
+                self.held += sum(cache_bytes(c) for part in turn.answers.diverged for c in part.group.caches)
+            else:
+                turn.answer()
 
     def settle(self) -> None:
-        """Decode every waiting turn's diverged rows in one batch per kind, then make the waiting samples' rows."""
-        decode_diverged(self.model, self.runs)
-        for sample, makers in self.makers:
-            before = len(self.pending)
-            self.rows += [row for make in makers for row in make()]
-            self.owner += [sample] * (len(self.pending) - before)
-        self.makers, self.runs, self.held = [], [], 0
+        """Decode every waiting turn's diverged rows in one batch per kind, then write the turns' answers."""
+        decode_diverged(self.model, [turn.answers for turn in self.turns])
+        for turn in self.turns:
+            turn.answer()
+        self.turns, self.held = [], 0
 
 
 def cache_bytes(cache) -> int:
@@ -252,73 +292,88 @@ def _needed(variants: list[Variant], ref: int, modes: set[str], open_modes: dict
     return keep, keep.index(variants[ref])
 
 
-def _rows(model, tokenizer, pl: Plan, variants: list[Variant], ref: int, max_new_tokens: int, kl: bool, paths: dict,
-          reference_s: float, pending: list[Pending] | None, open_modes: dict | None = None,
-          steps: dict | None = None, waves=None) -> tuple[list, list[Verified], int]:
-    """One sample's rows, its full answers already decoded (`paths`: (key, turn) -> answer), as makers: call each,
-    in order, for its turn's rows once the returned verified turns' diverged rows are decoded and settled (with
-    other samples' diverged rows, as one batch: `evaluate_samples`); and how many rows the makers will make. With
-    `pending` (a list), each full row with a KL path adds its `Pending` entry (its `NoiseRequest`, its rows and
-    the token ids before its path), to be filled in later. `steps`: (key, turn) -> the logits the full answer's own decoding chose
-    it from (`decode_references`' `keep`), from which a verified turn's noise floor is measured at once
-    (`stepped_noise`: that decoding is the one-token reading the noise floor compares the one pass with), each
-    freed once used. `open_modes`: as in `evaluate_samples`. `waves` (variants, reference index, context tokens) ->
-    lists of variant indices, each with the reference: the variants compressed, teacher-forced and decoded together
-    (with several waves, a wave's diverged rows too), one wave's caches freed before the next is compressed
-    (kvlab.state.memory plans them under the job's budget; None: one wave). Each row is what one wave of every variant gives (tests/test_memory.py)."""
-    sample = pl.sample
-    makers, runs, count = [], [], 0
-    every, every_ref = variants, ref
-    keys = list(pl.turns_of)
+@dataclass
+class Compression:
+    """One prefilled base of a sample compressed by the variants that need one of its modes (the reference at `ref`),
+    in waves (lists of variant indices, each with the reference: compressed, teacher-forced and decoded together, one
+    wave's caches freed before the next is compressed): each variant's cache statistics and compression seconds (its
+    first wave's), and what each labelled turn gave each wave (`found`: turn -> [(wave, Turn)])."""
+
+    key: str
+    base: Prefilled
+    variants: list[Variant]
+    ref: int
+    groups: list[list[int]]
+    stats: list = field(default_factory=list)
+    compress_s: list = field(default_factory=list)
+    found: dict = field(default_factory=dict)
+
+    @property
+    def batch(self) -> list[int]:
+        """The rows decoded with each variant's (its wave's)."""
+        return [next(len(w) for w in self.groups if i in w) for i in range(len(self.variants))]
+
+
+def _sample_rows(shared: Shared, pl: Plan, full: FullAnswers, pending: list[Pending] | None) -> list[TurnRows]:
+    """One sample's rows, turn by turn, its full answers already decoded (`full`): per compression, its variants
+    compressed and every labelled turn verified or decoded, wave by wave (`_compressed`), then each turn's rows made
+    (`_turn_rows`; a verified turn's answers written once its diverged rows are decoded: `Waiting`). With `pending`
+    (a list), each full row with a KL path adds its `Pending` entry, to be filled in later (`evaluate_samples`)."""
+    turns, keys = [], list(pl.turns_of)
     for at, (key, labelled) in enumerate(pl.turns_of.items()):
-        variants, ref = _needed(every, every_ref, {m for ms in labelled.values() for m in ms}, open_modes)
-        base, _ = pl.bases[key]
-        groups = waves(variants, ref, base.length) if waves is not None else [list(range(len(variants)))]
-        stats, compress_s = [None] * len(variants), [0.0] * len(variants)
-        batch = [next(len(w) for w in groups if i in w) for i in range(len(variants))]  # rows decoded with each
-        found: dict[int, list] = {}  # turn -> each wave's (its variant indices, what the turn gave them)
-        for wave in groups:
-            if len(groups) > 1:  # the last phase's or wave's freed memory handed back first (`hardware.hand_back`):
-                hand_back()  # a heap that keeps it would hold every wave's temporaries, fragmented, beside the next
-            caches = []
-            for i in wave:
-                t0 = time.perf_counter()
-                caches.append(compress(model, base, variants[i]))
-                if stats[i] is None:  # the reference is compressed again in every wave: its first wave's
-                    compress_s[i] = time.perf_counter() - t0
-                    stats[i] = cache_stats(caches[-1], variants[i], base.length)
-            local, turns = wave.index(ref), []
-            for number, (turn_tail, _) in enumerate(pl.turns[key], start=1):
-                if number in labelled:
-                    turns.append(_turn(model, pl, caches, local, number, key, turn_tail, max_new_tokens, kl, paths))
-                    found.setdefault(number, []).append((wave, turns[-1]))
-            if len(groups) > 1:  # its rows that left the full answer decoded now, not with the other samples' rows:
-                decode_diverged(model, [t.run for t in turns if t.run is not None])  # their caches go with the wave's
-            del caches  # this wave's caches: only the reference's stays (its noise-floor request holds it)
-        if not any(pl.bases[k][0].parent is base for k in keys[at + 1 :]):
-            base.captures = []  # compressed by every variant: its captured layer inputs are no longer read
-        for number, (turn_tail, gold) in enumerate(pl.turns[key], start=1):
-            if number not in labelled:
-                continue
-            turn = _joined(found[number], len(variants))
-            if turn.run is not None:
-                runs.append(turn.run)
-            request = None
-            if turn.logp_ref is not None and pending is not None:
-                noise, logits = None, (steps or {}).pop((key, number), None)
-                if logits is not None and turn.run is not None:
-                    t0 = time.perf_counter()
-                    noise = stepped_noise(turn.logp_ref, logits, turn.run.first[ref])
-                    noise["noise_s"] = time.perf_counter() - t0
-                request = NoiseRequest(turn.ref_cache, turn_tail, turn.path, base.length, turn.logp_ref, noise)
-            # a verified turn's decode seconds are known once its diverged rows are decoded (`_turn_rows`)
-            timing = {"prefill_s": pl.prefill_s[key], "teacher_forced_s": turn.tf_s, "decode_s": turn.decode_s,
-                      "waves": len(groups)}
-            makers.append(partial(_turn_rows, tokenizer, sample, variants, ref, number, gold, labelled[number], base,
-                                  stats, compress_s, turn.div, turn.run or turn.decoded, reference_s, timing, request,
-                                  pending, batch))
-            count += len(variants) * len(labelled[number])
-    return makers, runs, count
+        comp = _compressed(shared, pl, key, labelled, full)
+        if not any(pl.bases[k][0].parent is comp.base for k in keys[at + 1 :]):
+            comp.base.captures = []  # compressed by every variant: its captured layer inputs are no longer read
+        for number, (turn_tail, _) in enumerate(pl.turns[key], start=1):
+            if number in labelled:
+                turn = _joined(comp.found[number], len(comp.variants))
+                request = _noise_request(comp, turn, turn_tail, full.steps.pop((key, number), None)) if pending is not None else None
+                turns.append(_turn_rows(shared, pl, comp, number, turn, full.seconds, request, pending))
+    full.steps.clear()  # the logits no turn read
+    return turns
+
+
+def _compressed(shared: Shared, pl: Plan, key: str, labelled: dict, full: FullAnswers) -> Compression:
+    """The compression `key` of a sample by the variants that need one of its `labelled` turns' modes (`_needed`),
+    wave by wave (`shared.waves`, kvlab.state.memory plans them under the job's budget; None: one wave); each row is
+    what one wave of every variant gives (tests/test_memory.py)."""
+    variants, ref = _needed(shared.variants, shared.ref, {m for ms in labelled.values() for m in ms}, shared.open_modes)
+    base = pl.bases[key][0]
+    groups = shared.waves(variants, ref, base.length) if shared.waves is not None else [list(range(len(variants)))]
+    comp = Compression(key, base, variants, ref, groups, [None] * len(variants), [0.0] * len(variants))
+    for wave in groups:
+        if len(groups) > 1:  # the last phase's or wave's freed memory handed back first (`hardware.hand_back`):
+            hand_back()  # a heap that keeps it would hold every wave's temporaries, fragmented, beside the next
+        caches = []
+        for i in wave:
+            t0 = time.perf_counter()
+            caches.append(compress(shared.model, base, variants[i]))
+            if comp.stats[i] is None:  # the reference is compressed again in every wave: its first wave's
+                comp.compress_s[i] = time.perf_counter() - t0
+                comp.stats[i] = cache_stats(caches[-1], variants[i], base.length)
+        turns = []
+        for number, (turn_tail, _) in enumerate(pl.turns[key], start=1):
+            if number in labelled:
+                turns.append(_turn(shared, pl, caches, wave.index(ref), number, key, turn_tail, full.paths.get((key, number))))
+                comp.found.setdefault(number, []).append((wave, turns[-1]))
+        if len(groups) > 1:  # its rows that left the full answer decoded now, not with the other samples' rows:
+            decode_diverged(shared.model, [t.run for t in turns if t.run is not None])  # their caches go with the wave's
+        del caches  # this wave's caches: only the reference's stays (its noise-floor request holds it)
+    return comp
+
+
+def _noise_request(comp: Compression, turn: Turn, turn_tail: list[int], logits) -> NoiseRequest | None:
+    """A measured full row's noise-floor request (None where the turn has no KL path): a verified turn's measured at
+    once from `logits`, the one-token steps its full answer's own decoding chose it from (`stepped_noise`: the reading
+    the noise floor compares the one pass with); the others' stepped later (`noise_floor`)."""
+    if turn.logp_ref is None:
+        return None
+    noise = None
+    if logits is not None and turn.run is not None:
+        t0 = time.perf_counter()
+        noise = stepped_noise(turn.logp_ref, logits, turn.run.first[comp.ref])
+        noise["noise_s"] = time.perf_counter() - t0
+    return NoiseRequest(turn.ref_cache, turn_tail, turn.path, comp.base.length, turn.logp_ref, noise)
 
 
 @dataclass
@@ -336,19 +391,19 @@ class Turn:
     decode_s: float | None
 
 
-def _turn(model, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], max_new_tokens: int,
-          kl: bool, paths: dict) -> Turn:
-    """One turn on one wave's caches: verified along the full cache's answer (diverged rows decoded later: with other
-    samples', or, with several waves, at the wave's end), or, for prose, every row decoded and read along the sample's
-    reference text."""
+def _turn(shared: Shared, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], path: list[int] | None) -> Turn:
+    """One turn on one wave's caches (the reference's at `ref`): verified along the full cache's answer `path`
+    (diverged rows decoded later: with other samples', or, with several waves, at the wave's end), or, for prose,
+    every row decoded and read along the sample's reference text."""
+    model, max_new_tokens, kl = shared.model, shared.max_new_tokens, shared.kl
     sample, p = pl.sample, pl.sample.prompt
     base = pl.bases[key][0]
-    div, logp_ref, path, run, decoded = [{} for _ in caches], None, None, None, None
+    div, logp_ref, path_read, run, decoded = [{} for _ in caches], None, None, None, None
     if pl.verified(number):  # KL along the full cache's answer; diverged rows decoded later, with other samples'
-        run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=paths[(key, number)], source=base.ids)
+        run = verify(model, caches, ref, turn_tail, base.length, max_new_tokens, path=path, source=base.ids)
         decode_s, tf_s = None, run.teacher_forced_s
         if kl and run.answers[ref]:
-            div, logp_ref, path = run.divergence, run.logp_ref, run.answers[ref]
+            div, logp_ref, path_read = run.divergence, run.logp_ref, run.answers[ref]
     else:  # KL along the sample's reference text (prose), and answers (if any) decoded by every row
         t0 = time.perf_counter()
         decoded = greedy_decode(model, caches, turn_tail, base.length, max_new_tokens) if sample.metric != "none" else [[] for _ in caches]
@@ -356,9 +411,9 @@ def _turn(model, pl: Plan, caches: list, ref: int, number: int, key: str, turn_t
         t0 = time.perf_counter()
         if kl and p.reference:
             div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
-            path = p.reference
+            path_read = p.reference
         tf_s = time.perf_counter() - t0
-    return Turn(run, decoded, div, logp_ref, caches[ref], path, tf_s, decode_s)
+    return Turn(run, decoded, div, logp_ref, caches[ref], path_read, tf_s, decode_s)
 
 
 def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
@@ -383,24 +438,48 @@ def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
                 sum(t.tf_s for _, t in parts), decode_s)
 
 
-def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, number: int, gold, modes: list[str], base,
-               stats: list[dict], compress_s: list[float], div: list[dict], answers, reference_s: float, timing: dict,
-               request: NoiseRequest | None, pending: list[Pending] | None, batch: list[int]) -> list[dict]:
-    """One turn's rows, every variant × its question modes (`_rows`). `answers`: every row's answer, or the turn's
-    `Verified` (settled: its decode seconds then include the diverged rows' share). `batch`: the rows of each
-    variant's wave (decoded together)."""
-    if isinstance(answers, Verified):
-        first, timing = answers.first, {**timing, "decode_s": reference_s + answers.decode_s}
-        answers = answers.answers
-    else:
-        first = [None] * len(variants)
-    rows = []
-    if sample.metric in AGREEMENT:  # scored against (and `gold` is) the full cache's answer to this turn: its row scores 1
-        gold = [tokenizer.decode(answers[ref], skip_special_tokens=True)]
-    for i, variant in enumerate(variants):
-        prediction = tokenizer.decode(answers[i], skip_special_tokens=True)
+@dataclass
+class TurnRows:
+    """One turn's rows, made when the turn is verified or decoded (`_turn_rows`): per variant, one row per question
+    mode the turn labels. Their answer columns (gold, where the metric is agreement; prediction, score, decode seconds,
+    new tokens, where each left the full answer) are written by `answer` once the answers are known: at once for a
+    turn decoded row by row, after `decode_diverged` settles a verified one (`Verified`: its decode seconds then
+    include the diverged rows' share, beside `decode_s`, the full answer's share of the shared decoding)."""
+
+    tokenizer: object
+    sample: Sample
+    ref: int
+    gold: list[str]
+    answers: Verified | list
+    decode_s: float | None
+    rows: list[list[dict]]
+
+    def answer(self) -> None:
+        """Write the answer columns into the rows."""
+        if isinstance(self.answers, Verified):
+            answers, first, decode_s = self.answers.answers, self.answers.first, self.decode_s + self.answers.decode_s
+        else:
+            answers, first, decode_s = self.answers, [None] * len(self.rows), self.decode_s
+        gold = self.gold
+        if self.sample.metric in AGREEMENT:  # scored against (and `gold` is) the full cache's answer to this turn: its row scores 1
+            gold = [self.tokenizer.decode(answers[self.ref], skip_special_tokens=True)]
+        for i, made in enumerate(self.rows):
+            prediction = self.tokenizer.decode(answers[i], skip_special_tokens=True)
+            columns = {"gold": list(gold), "prediction": prediction, "score": score(self.sample.metric, prediction, gold),
+                       "decode_s": decode_s, "new_tokens": len(answers[i]), "diverged_at": first[i]}
+            for row in made:
+                row.update(columns)
+
+
+def _turn_rows(shared: Shared, pl: Plan, comp: Compression, number: int, turn: Turn, reference_s: float,
+               request: NoiseRequest | None, pending: list[Pending] | None) -> TurnRows:
+    """One turn's rows, every variant of the compression × the question modes the turn labels, their answer columns
+    to come (`TurnRows.answer`); with `request`, the full row's `Pending` entry (its rows and the token ids before its
+    path) added to `pending`."""
+    batch, rows = comp.batch, []
+    for i, variant in enumerate(comp.variants):
         row = {
-            **sample.row(),
+            **pl.sample.row(),
             "method": variant.method,
             "method_kind": variant.kind,
             "press": variant.params.get("press"),
@@ -410,23 +489,23 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
             **variant.storage,
             "budget": variant.budget,
             "turn": number,
-            "gold": list(gold),
-            "compressed_tokens": base.length,
-            "prediction": prediction,
-            "score": score(sample.metric, prediction, gold),
-            **stats[i],
-            **div[i],
-            "prefill_s": timing["prefill_s"],
-            "compress_s": compress_s[i],
-            "decode_s": timing["decode_s"],
+            "gold": None,  # this and the other answer columns: `TurnRows.answer`
+            "compressed_tokens": comp.base.length,
+            "prediction": None,
+            "score": None,
+            **comp.stats[i],
+            **turn.div[i],
+            "prefill_s": pl.prefill_s[comp.key],
+            "compress_s": comp.compress_s[i],
+            "decode_s": None,
             "decode_batch": batch[i],
-            "waves": timing["waves"],  # the waves the compression's variants ran in (kvlab.state.memory: the job's budget)
-            "teacher_forced_s": timing["teacher_forced_s"],
-            "new_tokens": len(answers[i]),
+            "waves": len(comp.groups),  # the waves the compression's variants ran in (kvlab.state.memory: the job's budget)
+            "teacher_forced_s": turn.tf_s,
+            "new_tokens": None,
             # where the row's greedy choice first left the full cache's answer (None: never, so its
             # answer is the full cache's; on the full row itself, a near-tie between its parallel and
             # its step-by-step pass: the numerical noise floor)
-            "diverged_at": first[i],
+            "diverged_at": None,
             # on the full row: the same cache read along the same path token by token, in a batch of other
             # prompts (its own decoding's steps, or `noise_floor`'s, filled in once every sample's rows are made),
             # the floor of KL and of answer changes that rounding alone produces; empty on every other row
@@ -434,8 +513,9 @@ def _turn_rows(tokenizer, sample: Sample, variants: list[Variant], ref: int, num
             # on the full row: its path read by the model in another compute dtype (`dtype_floor`)
             **dict.fromkeys(DTYPE_NOISE_COLUMNS),
         }
-        made = [{**row, "question_mode": mode} for mode in modes]
-        rows += made
-        if i == ref and request is not None:
-            pending.append(Pending(request, made, base.ids + request.tail))
-    return rows
+        made = [{**row, "question_mode": mode} for mode in pl.turns_of[comp.key][number]]
+        rows.append(made)
+        if i == comp.ref and request is not None:
+            pending.append(Pending(request, made, comp.base.ids + request.tail))
+    answers, decode_s = (turn.run, reference_s) if turn.run is not None else (turn.decoded, turn.decode_s)
+    return TurnRows(shared.tokenizer, pl.sample, comp.ref, pl.turns[comp.key][number - 1][1], answers, decode_s, rows)
