@@ -54,7 +54,7 @@ def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class H2OLayer(KVLayer):
     """A cache layer that keeps at most `capacity` tokens per KV head: `recent` newest ones always, the rest
     by accumulated attention. Before each update the attention module's queries are handed over through
-    `pending_query` (see kvlab.methods.h2o); the new tokens' attention is added to the scores, the layer
+    `pending_query` (kvlab.engine.attention.query_hooks); the new tokens' attention is added to the scores, the layer
     returns the keys and values the attention reads, then evicts down to its capacity for the next step."""
 
     wants_query = True
@@ -70,7 +70,7 @@ class H2OLayer(KVLayer):
 
     def update(self, key_states, value_states, cache_kwargs=None):
         if self.pending_query is None:
-            raise RuntimeError("H2O needs the attention's queries before each update (kvlab.methods.h2o.query_hooks)")
+            raise RuntimeError("H2O needs the attention's queries before each update (kvlab.engine.attention.query_hooks)")
         keys = torch.cat([self.keys, key_states], dim=-2)
         values = torch.cat([self.values, value_states], dim=-2)
         held = self.keys.shape[-2]

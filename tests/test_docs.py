@@ -4,6 +4,7 @@ heading of that file) that is there."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -53,3 +54,63 @@ def test_every_relative_link_resolves(path):
         elif fragment and where.suffix == ".md" and fragment not in anchors(where):
             broken.append(target)
     assert not broken, broken
+
+
+# A dotted name of kvlab's, as code, docs and config comments cite one: `kvlab.engine.sample`, kvlab.state.jobs.eval_mem_mb.
+# Not one that is part of a path or file name (results/kvlab.duckdb); not a profiler label (record_function("kvlab.prefill")).
+DOTTED = re.compile(r"(?<![\w./-])kvlab(?:\.[A-Za-z_]\w*)+")
+LABEL = re.compile(r"""record_function\(["']kvlab\.\w+["']\)""")
+CITING = [*sorted((ROOT / "src").rglob("*.py")), *DOCS, README, ROOT / "config.yaml"]
+
+
+def resolves(name: str) -> bool:
+    """Whether `name` is a kvlab module, or an attribute (a chain of them) of the longest module it starts with."""
+    first, *rest = name.split(".")
+    obj, path = importlib.import_module(first), first
+    for part in rest:
+        path = f"{path}.{part}"
+        if hasattr(obj, "__path__") and importlib.util.find_spec(path) is not None:  # a submodule of a package
+            obj = importlib.import_module(path)
+        elif hasattr(obj, part):
+            obj = getattr(obj, part)
+        else:
+            return False
+    return True
+
+
+def test_every_kvlab_dotted_name_resolves():
+    """Every `kvlab.…` name in src/, docs/, the README and config.yaml is a module or an attribute that exists."""
+    bad = []
+    for path in CITING:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for name in DOTTED.findall(LABEL.sub("", line)):
+                if not resolves(name):
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not bad, "names that do not resolve:\n" + "\n".join(bad)
+
+
+def test_the_dotted_name_check_finds_a_bad_name(tmp_path):
+    """The check above tells a real name from a stale one (a module, an attribute, a nested attribute)."""
+    assert resolves("kvlab.engine") and resolves("kvlab.engine.attention.query_hooks")
+    assert resolves("kvlab.kernels.accounting.Scheme.parse")
+    assert not resolves("kvlab.methods.h2o.query_hooks") and not resolves("kvlab.no_such_module")
+    assert DOTTED.findall('see `kvlab.state.jobs.eval_mem_mb`. In results/kvlab.duckdb') == ["kvlab.state.jobs.eval_mem_mb"]
+    assert DOTTED.findall(LABEL.sub("", '@record_function("kvlab.prefill")')) == []
+
+
+# A section another file cites by its heading: README "Your workload in three steps", docs/statistics.md "Evidence in rounds".
+SECTION = re.compile(r"""(README|docs/\w+\.md),? ["“]([^"”]+)["”]""")
+
+
+def test_every_cited_section_is_a_heading_of_its_file():
+    """Config comments, code and docs that send a reader to a section by name name a heading that is there."""
+    headings = {f"{p.relative_to(ROOT)}": set(re.findall(r"^#+ (.+)$", p.read_text(), flags=re.M)) for p in [README, *DOCS]}
+    headings["README"] = headings.pop("README.md")
+    bad = []
+    for path in CITING:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for file, section in SECTION.findall(line):
+                if section not in headings.get(file, ()):
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: {file} \"{section}\"")
+    assert not bad, "sections cited that are not headings there:\n" + "\n".join(bad)
+
