@@ -148,6 +148,25 @@ def held_tokens(layer) -> int:
     return layer.get_seq_length() if kvcache.is_quantized(layer) else layer.keys.shape[-2]
 
 
+def _coded_bytes(layer, variant: Variant, heads: int, d: int, measured: int, clamped: dict) -> tuple[int, int, int, int]:
+    """A quantized layer's bytes (`cache_stats`): by the accounting formula, as stored with its dense entries
+    (residual, sinks) in bf16, and of its codes and metadata alone (of the `measured` bytes); and its coded keys plus
+    values. Adds its clamped and coded entries to `clamped` (codecs that clamp only)."""
+    for part, count in clamped.items():
+        share = layer.saturated_share(part)
+        if share is not None:
+            count[0], count[1] = count[0] + share[0], count[1] + share[1]
+    n = layer.counts()
+    key, value = variant.impl.layouts(d)
+    coded = n["quantized_keys"], n["quantized_values"]
+    dense_tokens = n["sink_tokens"] + n["residual_keys"], n["sink_tokens"] + n["residual_values"]
+    dense = layer.keys.numel() + layer.values.numel()
+    codes = (measured - dense * layer.keys.element_size()
+             - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size()))
+    return (layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, layer.keys.element_size()),
+            layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, 2), codes, sum(coded))
+
+
 @record_function("kvlab.cache_stats")
 def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
     """What the cache really holds after compressing a `context`-token prefill: bytes of the stored tensors
@@ -174,19 +193,11 @@ def cache_stats(cache: DynamicCache, variant: Variant, context: int) -> dict:
         reference_bf16 += (held if layer.is_sliding else context) * token_bf16
         dense = layer.keys.numel() + layer.values.numel()  # full-precision entries (the residual, for quantized layers)
         if isinstance(layer, kvcache.QuantizedKVLayer):
-            for part, count in clamped.items():
-                share = layer.saturated_share(part)
-                if share is not None:
-                    count[0], count[1] = count[0] + share[0], count[1] + share[1]
-            n = layer.counts()
-            key, value = variant.impl.layouts(d)
-            coded = n["quantized_keys"], n["quantized_values"]
-            dense_tokens = n["sink_tokens"] + n["residual_keys"], n["sink_tokens"] + n["residual_values"]
-            formula += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, layer.keys.element_size())
-            stored_bf16 += layouts.stored_layer_bytes(key, value, heads, d, coded, dense_tokens, 2)
-            code_bytes += (measured - dense * layer.keys.element_size()
-                           - (0 if layer.sink_keys is None else 2 * layer.sink_keys.numel() * layer.sink_keys.element_size()))
-            code_tokens_bf16 += sum(coded) * token_bf16 // 2  # half of a token's K and V per coded key or value
+            by_formula, as_bf16, codes, coded = _coded_bytes(layer, variant, heads, d, measured, clamped)
+            formula += by_formula
+            stored_bf16 += as_bf16
+            code_bytes += codes
+            code_tokens_bf16 += coded * token_bf16 // 2  # half of a token's K and V per coded key or value
         elif quantized is not None:  # transformers' QuantizedCache layer: measured only
             formula = float("nan")
             stored_bf16 += measured - dense * layer.keys.element_size() + dense * 2

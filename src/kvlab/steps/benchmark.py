@@ -31,6 +31,36 @@ log = logging.getLogger(__name__)
 GRAPH_REPLAYS = 20  # replays of the captured decode step timed per (variant, batch)
 
 
+def _engine_answers(model, tokenizer, chosen: list, grid: list, modes: list[str], max_new: int) -> tuple[float, dict]:
+    """The engine's seconds for the samples × variants × modes, answers only as the pipeline's, and its answers by
+    (mode, sample, method, budget)."""
+    t0 = time.perf_counter()
+    answers = {}
+    for s in chosen:
+        for r in evaluate_sample(model, tokenizer, s, grid, modes, max_new, kl=False):  # answers only, as the pipeline
+            answers[(r["question_mode"], s.sample_id, r["method"], r["budget"])] = r["prediction"]
+    return time.perf_counter() - t0, answers
+
+
+def _pipeline_answers(pipe, chosen: list, grid: list, modes: list[str], max_new: int) -> tuple[dict, dict]:
+    """kvpress's pipeline once per sample, variant and mode (agnostic: the question passed apart from the compressed
+    context; aware: inside it): its seconds per mode, and its answers by (mode, sample, method, budget)."""
+    seconds, answers = {}, {}
+    for mode in modes:
+        t0 = time.perf_counter()
+        for s in chosen:
+            before, question = s.prompt.text
+            for v in grid:
+                if mode == "agnostic":
+                    out = pipe(before, question=question, press=v.make_press(), max_new_tokens=max_new)
+                else:
+                    out = pipe(before + question, press=v.make_press(), max_new_tokens=max_new)
+                answers[(mode, s.sample_id, v.method, v.budget)] = out["answer"]
+        seconds[mode] = time.perf_counter() - t0
+        log.info("kvpress pipeline, question %s: %.1f s", mode, seconds[mode])
+    return seconds, answers
+
+
 def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: int, samples: int, run: dict, out_path) -> pd.DataFrame:
     """Wall time of the configured grid (samples × full and plain-press variants × agnostic and aware modes) by the engine and by kvpress's
     pipeline, answers only. The pipeline is called once per variant and mode: question-agnostic with the
@@ -54,32 +84,11 @@ def engine_vs_pipeline(model_dir, task: str, task_spec: dict, context_tokens: in
     modes = [m for m in run["question_modes"] if m in ("agnostic", "aware")]  # the niah task has no later turns
     max_new = max_new_tokens(task_spec, run["max_new_tokens"])
 
-    def engine(modes: list[str]) -> tuple[float, dict]:
-        t0 = time.perf_counter()
-        answers = {}
-        for s in chosen:
-            for r in evaluate_sample(model, tokenizer, s, grid, modes, max_new, kl=False):  # answers only, as the pipeline
-                answers[(r["question_mode"], s.sample_id, r["method"], r["budget"])] = r["prediction"]
-        return time.perf_counter() - t0, answers
-
-    engine_agnostic_s, _ = engine(["agnostic"])
-    engine_s, ours = engine(modes)
+    engine_agnostic_s, _ = _engine_answers(model, tokenizer, chosen, grid, ["agnostic"], max_new)
+    engine_s, ours = _engine_answers(model, tokenizer, chosen, grid, modes, max_new)
     log.info("engine: %.1f s for %d samples × %d variants × %d modes", engine_s, len(chosen), len(grid), len(modes))
-
-    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device)
-    pipeline_s, theirs = {}, {}
-    for mode in modes:
-        t0 = time.perf_counter()
-        for s in chosen:
-            before, question = s.prompt.text
-            for v in grid:
-                if mode == "agnostic":
-                    out = pipe(before, question=question, press=v.make_press(), max_new_tokens=max_new)
-                else:
-                    out = pipe(before + question, press=v.make_press(), max_new_tokens=max_new)
-                theirs[(mode, s.sample_id, v.method, v.budget)] = out["answer"]
-        pipeline_s[mode] = time.perf_counter() - t0
-        log.info("kvpress pipeline, question %s: %.1f s", mode, pipeline_s[mode])
+    pipeline_s, theirs = _pipeline_answers(pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device=model.device),
+                                           chosen, grid, modes, max_new)
     same = {k: ours[k].strip() == theirs[k].strip() for k in theirs}
     for k, ok in same.items():
         if not ok:
