@@ -364,16 +364,6 @@ def _layer_groups(geom: KVGeometry, held: int) -> list[tuple[int, int]]:
     return groups
 
 
-def residual_bytes(geom: KVGeometry, scheme: Scheme) -> int:
-    """Bytes of the full BF16 residual window of ``scheme.residual`` tokens.
-
-    A sliding layer's residual window is capped at its ``sliding_window``.
-    """
-    per_layer = _bf16_layer_bytes_per_token(geom)
-    return sum(n * min(scheme.residual, cap) * per_layer
-               for n, cap in _layer_groups(geom, scheme.residual))
-
-
 def context_bytes(geom: KVGeometry, scheme: Scheme, tokens: int) -> int:
     """Exact cache bytes for a context of ``tokens`` tokens (physical view).
 

@@ -13,7 +13,6 @@ from kvlab.kernels.accounting import (
     compression_ratio,
     context_bytes,
     kept_tokens,
-    residual_bytes,
 )
 
 T128K = 131_072
@@ -56,7 +55,6 @@ TENSOR_BF16 = 163_840
 
 
 def test_int4_residual_and_128k_total_counts_residual_once():
-    assert residual_bytes(LLAMA_31_70B, INT4) == 41_943_040 == 128 * 327_680
     total = context_bytes(LLAMA_31_70B, INT4, T128K)
     # KIVI's cache at 131,072 tokens (a multiple of R = 128): every key quantized, the newest 128 values in BF16
     assert total == 131_072 * KEY_Q + (131_072 - 128) * VALUE_Q + 128 * TENSOR_BF16 == 13_436_190_720
@@ -114,7 +112,6 @@ def test_byte_counts_are_exact_ints():
     for scheme in (BF16, FP8, INT4, INT4_KEEP, Scheme.parse("int2-g32-r32")):
         for geom in (LLAMA_31_70B, DEEPSEEK_V3_MLA):
             _assert_exact_int(bytes_per_token(geom, scheme))
-            _assert_exact_int(residual_bytes(geom, scheme))
             _assert_exact_int(context_bytes(geom, scheme, 1000))
             _assert_exact_int(article_view_bytes(geom, scheme, 1000))
     tokens = 2**55 + 4  # not a float64: through a float it rounds to 2**55, and its quarter loses a token

@@ -87,7 +87,7 @@ def test_ruler_preset_is_kvpress_leaderboard_grid(config):
 
     out = resolve({**config, "preset": "ruler"}, SCHEMA)
     rulers = {t["ruler_task"]: t for t in out["tasks"].values() if t["kind"] == "ruler"}
-    assert sorted(rulers) == sorted(ruler.task_names()) and len(rulers) == 13
+    assert sorted(rulers) == sorted(ruler.TASKS) and len(rulers) == 13
     assert all(t["context_tokens"] == [4096] and t["samples"] >= 100 for t in rulers.values())
     assert out["question_modes"] == ["agnostic", "aware"]
     assert sorted(1 - b for b in out["budgets"]) == [0.25, 0.5, 0.75, 0.875]

@@ -651,10 +651,32 @@ VERIFY_METHODS = {
 }
 
 
+def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
+    """forced_divergence's columns from a whole (B, T, V) block of log-probabilities (teacher_forced's): per row, the
+    mean and max per-token KL(row `ref` ‖ row) and the mean NLL of `path`, the KL terms by the engine's own kernel."""
+    from kvlab.engine.teacher import _divergence_rows, _kl_terms
+
+    p_ref = logp[ref].exp()
+    scratch = torch.empty_like(p_ref)
+    kl = torch.stack([_kl_terms(logp[ref], p_ref, row, scratch) for row in logp]).clamp_min(0)  # (B, T)
+    target = torch.tensor(path, device=logp.device)
+    nll = -logp.gather(-1, target.expand(logp.shape[0], -1)[..., None])[..., 0]  # (B, T)
+    return _divergence_rows(kl, nll, path)
+
+
+def verified_decode(model, caches, ref, tail, start, max_new_tokens):
+    """The product's verified decoding of one turn: `verify`, then its diverged rows decoded (`decode_diverged`)."""
+    from kvlab.engine import decode_diverged, verify
+
+    run = verify(model, caches, ref, tail, start, max_new_tokens)
+    decode_diverged(model, [run])
+    return run
+
+
 def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dict = VERIFY_METHODS) -> dict:
-    """Decode one sample's grid both ways and check verified_decode against decoding every row; return each
+    """Decode one sample's grid both ways and check verified decoding against decoding every row; return each
     variant's first divergence."""
-    from kvlab.engine import divergence, first_divergence, teacher_forced, verified_decode
+    from kvlab.engine import first_divergence, teacher_forced
 
     grid = variants(build(methods), budgets)
     (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": seed}, tokenizer, 600)
@@ -676,7 +698,7 @@ def verified_run(tokenizer, model, seed: int, budgets: list[float], methods: dic
 
 
 def test_verified_decoding_gives_every_row_its_own_greedy_answer(tiny, sharp):
-    """verified_decode decodes only the rows that leave the full cache's answer; every row's answer is the one
+    """Verified decoding decodes only the rows that leave the full cache's answer; every row's answer is the one
     decoding all rows step by step gives. The cases cover rows that never diverge, stepwise rows (quantized, H2O)
     that diverge, and dense rows that all diverge only after a shared prefix (fed at once), also in grids of
     dense rows alone."""
@@ -703,10 +725,9 @@ def test_first_divergence_finds_the_first_other_choice():
 
 
 def test_divergence_is_kl_and_nll_per_row_against_the_reference_row():
-    """divergence's row-by-row KL equals KL(ref || row) from scipy, and its NLL the path's mean -log p."""
+    """The KL and NLL columns (the engine's `_kl_terms` and `_divergence_rows`, as `divergence` above applies them)
+    row by row: KL equals KL(ref || row) from scipy, and NLL the path's mean -log p."""
     from scipy.special import rel_entr
-
-    from kvlab.engine import divergence
 
     gen = torch.Generator().manual_seed(3)
     logp = torch.log_softmax(torch.randn(3, 4, 11, generator=gen, dtype=torch.float64), -1)
@@ -801,7 +822,7 @@ def test_noise_floor_is_the_full_row_teacher_forced_alone(tiny, sharp):
     pass in the batch of every row, as computed by hand from the engine's parts; empty on every other row.
     Rounding only: small in fp32, the same answer, and exactly nothing when the steps are compared with
     themselves."""
-    from kvlab.engine import noise_floor, stepped, verified_decode
+    from kvlab.engine import noise_floor, stepped
 
     tokenizer = tiny[1]
     grid = variants(build({"full": {"kind": "full"}, "snapkv": SNAP, "kivi2": VERIFY_METHODS["kivi2"]}), [0.5])
@@ -937,7 +958,7 @@ def test_forced_divergence_is_divergence_of_the_teacher_forced_pass(tiny, sharp)
     """forced_divergence gives bitwise the KL and NLL columns, reference log-probabilities and greedy choices of
     teacher_forced then divergence, for rows fed each way (dense, streamed quantized, H2O step by step) and a
     reference that is not the first row, without building the (B, T, vocabulary) block."""
-    from kvlab.engine import divergence, forced_divergence
+    from kvlab.engine import forced_divergence
 
     grid = variants(build(VERIFY_METHODS), [0.5])
     (sample,) = KINDS["niah"].generate("niah_single", {"depths": [0.5], "samples": 1, "seed": 2}, tiny[1], 600)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # for cwe, whose worked example alone takes ~2K bytes, and niah_multikey_3, whose haystack is UUID needles (none fit 1K).
 LENGTHS = {"niah_single_2": 4096, "niah_single_3": 4096, "niah_multikey_1": 4096, "niah_multivalue": 4096,
            "niah_multiquery": 4096, "niah_multikey_3": 2048, "cwe": 3072, "qa_1": 8192, "qa_2": 8192}
-SLOW = {t for t in ruler.task_names() if t.startswith("niah")}  # niah builds its 6M-key word list first (≈ 15 s)
+SLOW = {t for t in ruler.TASKS if t.startswith("niah")}  # niah builds its 6M-key word list first (≈ 15 s)
 # The niah tasks whose rows are compared with prepare.py's: one per haystack (noise, essay, needles) and the one with
 # several queries. Every niah task's command line is checked against prepare.py's (test_generator_command_is_prepare_pys):
 # the same script, arguments and seed make the same rows, and each comparison costs two ~15 s niah runs.
@@ -63,7 +63,7 @@ def both(task: str, spec: dict, tokenizer, tmp: Path, length: int) -> tuple[list
 
 
 # vt's worked example is fixed at 500 tokens: see test_vt_on_a_byte_tokenizer_is_refused
-FEASIBLE_ON_TINY = [pytest.param(t, marks=[pytest.mark.slow] if t in SLOW else []) for t in ruler.task_names()
+FEASIBLE_ON_TINY = [pytest.param(t, marks=[pytest.mark.slow] if t in SLOW else []) for t in ruler.TASKS
                     if t != "vt" and (t not in SLOW or t in ROWS_COMPARED)]
 
 
@@ -94,7 +94,7 @@ def options(args: list[str]) -> dict[str, str]:
     return dict(zip(args[::2], args[1::2]))
 
 
-@pytest.mark.parametrize("task", ruler.task_names())
+@pytest.mark.parametrize("task", ruler.TASKS)
 def test_generator_command_is_prepare_pys(task, tmp_path):
     """kvlab runs the generator script prepare.py runs, with the same options as its shell passes them (RULER's
     `base` template, its seed 42), only `--subset` (and qa's `--pre_samples`, of one chunk) left at the generator's
@@ -140,14 +140,14 @@ def test_samples_are_rulers_own(task, tiny, tmp_path):
 
 
 def test_shapes_and_metrics_follow_rulers_tasks():
-    shapes = {t: ruler.task_shape(ruler.task_config(t)) for t in ruler.task_names()}
+    shapes = {t: ruler.task_shape(ruler.task_config(t)) for t in ruler.TASKS}
     assert shapes == {
         "niah_single_1": "single needle", "niah_single_2": "single needle", "niah_single_3": "single needle",
         "niah_multikey_1": "several needles", "niah_multikey_2": "several needles", "niah_multikey_3": "several needles",
         "niah_multivalue": "several needles", "niah_multiquery": "several needles", "vt": "multi-hop",
         "cwe": "aggregation", "fwe": "aggregation", "qa_1": "document QA", "qa_2": "document QA",
     }
-    metrics = {t: ruler.task_config(t)["metric"] for t in ruler.task_names()}
+    metrics = {t: ruler.task_config(t)["metric"] for t in ruler.TASKS}
     assert {t for t, m in metrics.items() if m == "string_match_part"} == {"qa_1", "qa_2"}
     assert set(metrics.values()) == {"string_match_all", "string_match_part"}
 
@@ -155,8 +155,9 @@ def test_shapes_and_metrics_follow_rulers_tasks():
 def test_schema_lists_rulers_tasks():
     schema = load_schema(ROOT / "workflow" / "config.schema.yaml")
     (branch,) = [b["then"] for b in schema["$defs"]["task"]["allOf"] if b["if"]["properties"]["kind"].get("const") == "ruler"]
-    assert branch["properties"]["ruler_task"]["enum"] == ruler.task_names()
-    assert len(ruler.task_names()) == 13
+    rulers = yaml.safe_load(resources.files("long_context_eval").joinpath("synthetic.yaml").read_text())
+    assert branch["properties"]["ruler_task"]["enum"] == list(ruler.TASKS) == list(rulers)  # the pinned RULER's, in order
+    assert len(ruler.TASKS) == 13
 
 
 def test_unknown_task_names_the_right_ones():

@@ -29,17 +29,17 @@ from kvlab.engine.layers import Rows, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.floors import dtype_floor, noise_floor, stepped
 from kvlab.engine.greedy import decode_groups, decode_references, greedy_decode
-from kvlab.engine.teacher import divergence, first_divergence, forced_divergence, stepwise, teacher_forced
-from kvlab.engine.verify import Diverged, Verified, verified_decode, verify
+from kvlab.engine.teacher import first_divergence, forced_divergence, stepwise, teacher_forced
+from kvlab.engine.verify import Diverged, Verified, decode_diverged, verify
 from kvlab.models.structure import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
 from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
 from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_samples
 
 __all__ = [
     "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "Rows", "attention_layers", "cache_stats",
-    "capture", "compress", "decode_path", "decoder_layers", "divergence", "evaluate_sample", "greedy_decode",
+    "capture", "compress", "decode_path", "decoder_layers", "evaluate_sample", "greedy_decode",
     "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries",
     "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",
     "stop_ids", "teacher_forced", "Verified", "decode_references", "dtype_floor", "evaluate_samples", "first_divergence", "noise_floor", "stepped", "stepwise",
-    "verified_decode", "verify", "Diverged", "decode_groups", "forced_divergence",
+    "decode_diverged", "verify", "Diverged", "decode_groups", "forced_divergence",
 ]

@@ -114,7 +114,7 @@ class Answer:
     nll: list[float]
 
     def columns(self) -> dict:
-        """The fast engine's per-row summary of these (`teacher.divergence`): mean and max KL, mean NLL."""
+        """The fast engine's per-row summary of these (`teacher.forced_divergence`): mean and max KL, mean NLL."""
         if not self.kl:
             return {}
         return {"kl_vs_full": sum(self.kl) / len(self.kl), "kl_max": max(self.kl), "nll": sum(self.nll) / len(self.nll)}

@@ -1,6 +1,6 @@
 """Teacher forcing: every row of a batch of caches fed a known path (`teacher_forced`; dense rows in batches of
 similar length, `length_buckets`; quantized rows in one pass read as if fed token by token), and what the engine keeps
-of it: each row's KL and NLL against the reference row and its greedy choices (`forced_divergence`, `divergence`,
+of it: each row's KL and NLL against the reference row and its greedy choices (`forced_divergence`,
 `first_divergence`)."""
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def forced_divergence(
     model, caches: list[DynamicCache], tail: list[int], path: list[int], start: int, ref: int, stream: bool = True,
     resume: list | None = None,
 ) -> tuple[list[dict], torch.Tensor, torch.Tensor]:
-    """`divergence(teacher_forced(...)[0], path, ref)`, bitwise the same, with the reference row's log-probabilities
+    """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats) along `teacher_forced`'s
+    pass, bitwise what that pass's (B, len(path), V) log-probabilities give (tests/test_engine.py), with the reference row's log-probabilities
     (len(path), V) and every row's greedy choice (B, len(path)), without the (B, len(path), V) float32 block: each
     row's logits are normalized in one reused (len(path), V) scratch block and reduced to its KL and NLL there (at 25
     rows × 128 tokens of Qwen's 152K vocabulary the block is 1.9 GB, and writing a fresh one took 1.8 s per prose
@@ -175,17 +176,6 @@ def first_divergence(choice: torch.Tensor, path: list[int]) -> list[int | None]:
 
 
 
-@record_function("kvlab.divergence")
-def divergence(logp: torch.Tensor, path: list[int], ref: int) -> list[dict]:
-    """Per row: mean and max per-token KL(row `ref` ‖ row) and mean NLL of `path` (nats)."""
-    p_ref = logp[ref].exp()
-    scratch = torch.empty_like(p_ref)  # one block for every row: no (B, T, vocabulary) temporary, no fresh block per row
-    kl = torch.stack([_kl_terms(logp[ref], p_ref, row, scratch) for row in logp]).clamp_min(0)  # (B, T)
-    target = torch.tensor(path, device=logp.device)
-    nll = -logp.gather(-1, target.expand(logp.shape[0], -1)[..., None])[..., 0]  # (B, T)
-    return _divergence_rows(kl, nll, path)
-
-
 def _kl_terms(logp_ref: torch.Tensor, p_ref: torch.Tensor, logp: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Per-token KL(ref ‖ row), p_ref · (logp_ref − logp) summed over the vocabulary, computed in `scratch` (bitwise
     as written out; half the time of a new product per row)."""
@@ -194,7 +184,7 @@ def _kl_terms(logp_ref: torch.Tensor, p_ref: torch.Tensor, logp: torch.Tensor, s
 
 
 def _divergence_rows(kl: torch.Tensor, nll: torch.Tensor, path: list[int]) -> list[dict]:
-    """`divergence`'s columns from per-token KL and NLL (B, T)."""
+    """`forced_divergence`'s columns from per-token KL and NLL (B, T)."""
     return [
         {"kl_vs_full": float(kl[b].mean()), "kl_max": float(kl[b].max()), "nll": float(nll[b].mean()),
          "ppl": math.exp(float(nll[b].mean())), "tf_tokens": len(path)}

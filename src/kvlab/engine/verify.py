@@ -35,7 +35,7 @@ class Diverged:
 
 @dataclass
 class Verified:
-    """verified_decode's result: answers, each row's KL and NLL along the reference's answer (`divergence`'s columns),
+    """`verify`'s result: answers, each row's KL and NLL along the reference's answer (`divergence`'s columns),
     the reference row's log-probabilities there (len(path), V), first divergences, and the seconds spent decoding
     step by step and in the teacher-forced pass. From `verify`, `diverged` lists the rows still to decode (until
     `settle`, their answers are the reference's, or a dense row's answer so far: up to the token it chose instead)."""
@@ -62,7 +62,7 @@ def verify(
     path: list[int] | None = None, source: list[int] | None = None,
 ) -> Verified:
     """Every row's answer where it follows the reference's, and the rows that leave it, still to decode (`Verified`'s
-    `diverged`; `verified_decode` decodes them at once, kvlab.engine.sample with other samples' diverged rows).
+    `diverged`; `decode_diverged` decodes them, kvlab.engine.sample with other samples' diverged rows).
 
     Greedy decoding is deterministic: a row whose greedy choice equals the reference row's answer at every
     position of it (EOS included) produces exactly that answer (tests/test_engine.py checks the answers against
@@ -121,18 +121,6 @@ def verify(
         parts.append(Diverged(dense, False, prefix, Group([caches[i] for i in dense], tail + prefix, start, max_new_tokens - shared,
                                                           (), source)))
     return Verified(answers, div, logp_ref, first, t1 - t0, t2 - t1, parts)
-
-
-@torch.no_grad()
-def verified_decode(
-    model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
-    path: list[int] | None = None, source: list[int] | None = None,
-) -> Verified:
-    """Greedy answers of every row, decoding step by step only the rows that leave the reference's answer (`verify`,
-    then its diverged rows decoded, each kind as one batch: `decode_diverged`)."""
-    run = verify(model, caches, ref, tail, start, max_new_tokens, path, source)
-    decode_diverged(model, [run])
-    return run
 
 
 @torch.no_grad()

@@ -100,10 +100,6 @@ def problem(name: str, spec: dict):
     return None
 
 
-def task_names() -> list[str]:
-    return list(_table())
-
-
 def task_config(task: str) -> dict:
     """RULER's entry for `task`: its generator, arguments, template + answer prefix, tokens_to_generate, metric."""
     table = _table()
