@@ -14,7 +14,6 @@ MAX_LINES, MAX_PARAMS = 60, 8
 LEFT = {
     ("engine/sample.py", "evaluate_samples"): (56, 13),  # its keyword knobs: the API the job, the tools and the tests call
     ("engine/attention.py", "sdpa_gqa"): (28, 9),  # transformers' AttentionInterface calls it with these parameters
-    ("engine/verify.py", "verify"): (64, 8),
 }
 
 

@@ -56,6 +56,20 @@ class Verified:
         self.diverged, self.decode_s = [], self.decode_s + seconds
 
 
+def _stepwise_parts(caches: list[DynamicCache], steps: list[int], first: list[int | None], path: list[int], tail: list[int],
+                    start: int, max_new_tokens: int) -> list[Diverged]:
+    """The stepwise rows that left the reference's answer (`verify`), grouped by where each resumes decoding: fed the
+    tail again, then, for quantized rows, the answer up to where they left it (`Group`'s `streamed`); else from 0."""
+    parts = []
+    resumes = {i: first[i] if streams(caches[i]) else 0 for i in steps}  # where each stepwise row resumes decoding
+    for resume in sorted(set(resumes.values())):  # rows that resume at one point share a group
+        rows = [i for i in steps if resumes[i] == resume]
+        prefix = list(path[:resume])
+        parts.append(Diverged(rows, True, prefix, Group([caches[i] for i in rows], tail, start, max_new_tokens - resume,
+                                                        tuple(prefix))))
+    return parts
+
+
 @torch.no_grad()
 def verify(
     model, caches: list[DynamicCache], ref: int, tail: list[int], start: int, max_new_tokens: int,
@@ -93,13 +107,7 @@ def verify(
     diverged = [i for i, d in enumerate(first) if d is not None and i != ref]
     steps = [i for i in diverged if stepwise(caches[i])]
     dense = [i for i in diverged if i not in steps]
-    parts = []
-    resumes = {i: first[i] if streams(caches[i]) else 0 for i in steps}  # where each stepwise row resumes decoding
-    for resume in sorted(set(resumes.values())):  # rows that resume at one point share a group
-        rows = [i for i in steps if resumes[i] == resume]
-        prefix = list(path[:resume])
-        parts.append(Diverged(rows, True, prefix, Group([caches[i] for i in rows], tail, start, max_new_tokens - resume,
-                                                        tuple(prefix))))
+    parts = _stepwise_parts(caches, steps, first, path, tail, start, max_new_tokens)
     resumable = [(group, batch) for group, batch in passes if batch.splittable()]  # the dense passes, if splittable
     if dense and resumable:
         eos, resumed = stop_ids(model), {}
