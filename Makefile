@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CORES  ?= 2
 SMK_ARGS ?=
 
-.PHONY: setup system report smoke test test-fast lint clean gpu-wheels gpu-check-dry
+.PHONY: setup llamacpp-env system report smoke test test-fast lint clean gpu-wheels gpu-check-dry
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,17 @@ $(VENV)/.installed: pyproject.toml $(BIN)/python
 	touch $@
 
 setup: $(VENV)/.installed
+
+# llama.cpp's engine env (kvlab.engine.llamacpp), apart from the main venv (kvpress pins transformers): the
+# llama-cpp-python sdist built once into .cache/wheels (20 min on 2 cores), reused after.
+LLAMACPP := llama-cpp-python==0.3.36
+.venv-llamacpp/.installed:
+	$(PYTHON) -m venv .venv-llamacpp
+	ls .cache/wheels/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1 || $(PYTHON) -m pip wheel -q --no-deps -w .cache/wheels $(LLAMACPP)
+	.venv-llamacpp/bin/pip install -q --find-links .cache/wheels $(LLAMACPP) numpy
+	touch $@
+
+llamacpp-env: .venv-llamacpp/.installed
 
 # Debian packages some tests use: headless Chromium renders the report; slurm-wlm and munge host a one-node SLURM
 # for the cluster profile's test. Installed when we are root; otherwise those tests skip and print why.
