@@ -133,13 +133,13 @@ def first_decision(x: np.ndarray) -> str:
 def test_kl_peeking_keeps_the_level_and_decides_both_ways():
     """Peeking after every sample up to 200 and stopping at the first decision: a capped mean 10% above the
     threshold is called safe in at most 5% of cells, one 10% below it unsafe in at most 5%. A cell far below is
-    decided safe once the tail share's bound allows (32 samples at KL 0), one far above unsafe, and one with a
+    decided safe once the tail share's bound allows (110 samples at KL 0), one far above unsafe, and one with a
     ninth of its samples above the cap never safe, though its capped mean is below the threshold."""
     rng = np.random.default_rng(5)
     assert np.mean([first_decision(kl_samples(rng, 200, 1.1 * KL, "beta")) == "safe" for _ in range(CELLS)]) <= ALPHA + SLACK
     assert np.mean([first_decision(kl_samples(rng, 200, 0.9 * KL, "beta")) == "unsafe" for _ in range(CELLS)]) <= ALPHA + SLACK
-    assert kl_bounds(np.full(32, 0.0), KL).decide(KL) == "safe"
-    assert kl_bounds(np.full(31, 0.0), KL).decide(KL) == "inconclusive"
+    assert kl_bounds(np.full(110, 0.0), KL).decide(KL) == "safe"
+    assert kl_bounds(np.full(109, 0.0), KL).decide(KL) == "inconclusive"
     assert kl_bounds(np.full(5, 0.2), KL).decide(KL) == "unsafe"
     tail = kl_bounds(np.where(np.arange(800) % 9 == 0, 0.06, 0.0), KL)
     assert tail.over_cap == 89 and tail.high < KL and tail.decide(KL) == "inconclusive"

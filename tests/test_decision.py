@@ -9,6 +9,7 @@ from kvlab.report.claims import verdicts
 from kvlab.report.article import article_comparison, c12_verdict
 from kvlab.report.decision import Rule, decision_table
 from kvlab.report.verdicts.cost import matches as _matches
+from kvlab.stats.intervals import kl_bounds
 
 
 def row(method, shape, mode, budget, accuracy, full=1.0, fraction=None, kl=None, scheme=None, bits=None, press=None,
@@ -47,7 +48,9 @@ def test_decision_table_lists_safe_methods_at_their_most_compressed_budget():
     assert needle["best safe compression"] == "4.0×" and needle["safe at ≥ 4×"] == "snapkv@0.25 (4.0×)"
     assert needle["unsafe at every budget"] == "h2o" and needle["full cache"] == "100% [98%, 100%], n=200"
     prose = t.loc[("prose", "agnostic")]
-    assert prose["safe (most compression first)"] == "kivi4 (2.9×)" and prose["unsafe at every budget"] == "kivi2"
+    share = kl_bounds(np.full(200, 0.004), 0.01).tail_high  # no document above the cap: the tail is shown anyway
+    assert prose["safe (most compression first)"] == f"kivi4 (2.9×) [0 of 200 documents above 0.05 nat (share ≤ {share:.1%})]"
+    assert prose["unsafe at every budget"] == "kivi2"
     assert t.loc[("reasoning", "agnostic")]["safe (most compression first)"].startswith("— (the full cache scores 0%")
 
 
@@ -191,26 +194,49 @@ def test_summary_and_claims_count_what_the_samples_decide():
 
 
 def test_a_prose_cell_is_decided_on_its_capped_mean_and_its_tail_share():
-    """Prose cells use kl_bounds: 40 samples at 0.004 nat are safe at 0.01; the same with one sample at 0.2 (above
-    the cap, 5 × 0.01) are not yet (one in 40 above the cap leaves the tail share's bound over 10%), and the evidence
-    says so; with 150 samples that one spike is within the tail share and the cell is safe. KL 0 needs 32 samples:
-    the tail share's bound first falls under 10% there (the capped mean's at 24)."""
+    """Prose cells use kl_bounds: 120 samples at 0.004 nat are safe at 0.01; the same with one sample at 0.2 (above
+    the cap, 5 × 0.01) are not (one in 120 above the cap leaves the tail share's bound over 3%), and the evidence
+    says so. KL 0 needs 110 samples: the tail share's bound first falls under 3% there."""
     from kvlab.report.decision import evidence, judge
 
     rule = Rule()
-    calm = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=40))
+    calm = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=120))
     assert judge(calm, rule)["decision"] == "safe"
     spiky = calm.copy()
     spiky.loc[0, "kl_vs_full"] = 0.2  # the first sample in draw order
     out = judge(spiky, rule)
-    assert out["decision"] == "inconclusive" and out["kl_over_cap"] == 1 and out["kl_tail_high"] > rule.kl_tail_share
-    assert out["kl_high"] > rule.kl_safe and out["kl_tail_high"] > rule.kl_tail_share  # both still open at 40
-    assert "1 above the cap (share ≤ 14%)" in evidence(pd.Series(out))
-    longer = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, None, kl=0.004, kind="quant", rows=150))
-    longer.loc[0, "kl_vs_full"] = 0.2
-    assert judge(longer, rule)["decision"] == "safe"
-    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=31)), rule)["decision"] == "inconclusive"
-    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=32)), rule)["decision"] == "safe"
+    assert out["decision"] == "inconclusive" and out["kl_over_cap"] == 1 and out["kl_high"] < rule.kl_safe
+    assert out["kl_tail_high"] > rule.kl_tail_share  # the tail alone keeps it open
+    assert "1 of 120 documents above 0.05 nat (share ≤ 4.9%)" in evidence(pd.Series(out))
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=109)), rule)["decision"] == "inconclusive"
+    assert judge(pd.DataFrame(row("x", "prose", "agnostic", 1.0, None, kl=0.0, kind="quant", rows=110)), rule)["decision"] == "safe"
+
+
+def test_a_safe_prose_cell_with_documents_above_the_cap_never_reads_plain_safe():
+    """Under a relaxed tail (kl_tail_share 0.1), 96 samples at 0.004 nat with two at 1 nat are safe on average: the
+    decision table, the grid's outcomes, the summary's evidence and the progress table print their two documents
+    and the share's bound beside 'safe'; a cell without any reads safe with '0 of 96' beside it."""
+    from kvlab.report.decision import cells, outcomes, shown
+    from kvlab.tools.progress import table_so_far
+
+    rule = Rule(kl_tail_share=0.1)
+    hit = pd.DataFrame(row("kivi4", "prose", "agnostic", 1.0, 0.0, kl=0.004, kind="quant", fraction=0.3, rows=96))
+    hit.loc[[5, 40], "kl_vs_full"] = 1.0
+    calm = pd.DataFrame(row("fp8", "prose", "agnostic", 1.0, 0.0, kl=0.004, kind="quant", fraction=0.5, rows=96))
+    rows = pd.concat([hit, calm], ignore_index=True)
+    words = "safe on average; 2 of 96 documents above 0.05 nat (share ≤ 8.7%)"
+    c = cells(rows, rule, by=["model", "shape", "question_mode"]).set_index("method")
+    assert c.loc["kivi4", "table_decision"] == "safe" and shown(c.loc["kivi4"]) == words
+    assert shown(c.loc["fp8"]) == "safe"
+    safe = decision_table(rows, rule).iloc[0]["safe (most compression first)"]
+    none = kl_bounds(np.full(96, 0.004), rule.kl_safe, rule.kl_cap_ratio, rule.kl_tail_share).tail_high
+    assert safe == f"kivi4 (3.3×) [{words}], fp8 (2.0×) [0 of 96 documents above 0.05 nat (share ≤ {none:.1%})]"
+    grid = outcomes(rows, rule).set_index("method")
+    assert grid.loc["kivi4", "outcome"] == "safe" and grid.loc["kivi4", "over_cap"] == 2
+    assert grid.loc["kivi4", "shown"] == words and grid.loc["fp8", "over_cap"] == 0
+    progress = table_so_far(rows.assign(task="prose", context_tokens=512), rule).set_index("method")
+    assert progress.loc["kivi4", "state"] == f"decided {words}" and progress.loc["fp8", "state"] == "decided safe"
+    assert progress.loc["kivi4", "bounds"].endswith("; 2 of 96 documents above 0.05 nat (share ≤ 8.7%)")
 
 
 def test_cells_judge_each_distinct_cell_once_and_a_changed_row_or_rule_anew():

@@ -4,6 +4,7 @@ decisions keep their false-decision rate, a cell with one early loss is decided 
 n overflows. Vectorised over cells (kvlab.stats.anytime.wealth_at): seconds."""
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,10 +15,14 @@ from scipy import optimize, stats
 
 from kvlab.stats.anytime import ALPHA, ebh, sequence, wealth_at
 from kvlab.report.decision import Rule, cells, decision_table
+from kvlab.state.config import expand
 from kvlab.stats.intervals import drop_bounds, kl_bounds, lossless_samples, quiet_kl_samples
+from kvlab.tools.kl_tail import FAMILIES, OLD, Rounds, cost, prose_job, quiet, safe_share
 
 LEVEL = math.log(1 / ALPHA)
 THETA = 0.05  # 5 points
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG, SCHEMA = ROOT / "config.yaml", ROOT / "workflow" / "config.schema.yaml"
 
 
 def round_ends(first: int, step: int, most: int) -> np.ndarray:
@@ -145,7 +150,7 @@ def capped_lognormal(mean: float, sigma: float) -> float:
 def heavy(rng, cells: int, n: int, family: str) -> np.ndarray:
     """Heavy-tailed per-sample KL at the edge of what 'safe' claims: 'lognormal-S' (log-sd S, scaled so that its
     capped mean is exactly 0.01 nat), 'spike-V-P' (a share P of samples at V nat, the rest level so that the capped
-    mean is exactly 0.01), 'tail' (10% of samples at 0.2 nat, the rest 0: a capped mean of 0.005, but a share above
+    mean is exactly 0.01), 'tail' (3% of samples at 0.2 nat, the rest 0: a capped mean of 0.006, but a share above
     the cap exactly at its limit), 'mean-S' (lognormal whose plain mean is 0.01: below the edge, for power)."""
     if family.startswith(("lognormal", "mean")):
         kind, sigma = family.split("-")
@@ -153,33 +158,13 @@ def heavy(rng, cells: int, n: int, family: str) -> np.ndarray:
         mean = KL if kind == "mean" else optimize.brentq(lambda m: capped_lognormal(m, sigma) - KL, KL, 100 * KL)
         return mean * np.exp(rng.normal(-sigma**2 / 2, sigma, (cells, n)))
     if family == "tail":
-        return np.where(rng.random((cells, n)) < 0.1, 0.2, 0.0)
+        return np.where(rng.random((cells, n)) < Rule().kl_tail_share, 0.2, 0.0)
     _, value, share = family.split("-")
     share = float(share)
     return np.where(rng.random((cells, n)) < share, float(value), (KL - share * CAP) / (1 - share))
 
 
-def prose_decisions(x: np.ndarray, rule: Rule, ends: np.ndarray) -> np.ndarray:
-    """Each row of per-sample KL run as a prose job: read at `ends`, stopped at the first read where it is decided
-    and its decision's e-value reaches rule.stop_e; +1 safe (the capped mean's and the tail share's upper bounds
-    both under their limits: both downward bets crossed), −1 unsafe, 0 open, as kl_bounds decides."""
-    up, down = wealth_at(np.minimum(x, CAP), 0.0, CAP, KL)
-    _, tail = wealth_at((x > CAP).astype(float), 0.0, 1.0, rule.kl_tail_share)
-    safe_at = np.maximum(first_true(down >= LEVEL), first_true(tail >= LEVEL))
-    safe_at = np.where((first_true(down >= LEVEL) > 0) & (first_true(tail >= LEVEL) > 0), safe_at, 0)
-    unsafe_at = first_true(up >= LEVEL)
-    decision = np.zeros(len(x), int)
-    done = np.zeros(len(x), bool)
-    for n in ends:
-        safe = (safe_at > 0) & (safe_at <= n)
-        unsafe = (unsafe_at > 0) & (unsafe_at <= n) & ~safe
-        decision = np.where(done, decision, np.where(safe, 1, np.where(unsafe, -1, 0)))
-        log_e = np.where(safe, np.minimum(down[:, n - 1], tail[:, n - 1]), np.where(unsafe, up[:, n - 1], -np.inf))
-        done |= log_e >= math.log(rule.stop_e)
-    return decision
-
-
-PROSE = round_ends(10, 6, 96)  # prose_kl: 10 samples, then rounds of 6, up to 96
+PROSE = Rounds(10, 6, 150).ends  # prose_kl in the default: 10 samples, then rounds of 6, up to 150 (asserted below)
 
 
 @pytest.mark.parametrize("family", ["lognormal-1.5", "lognormal-2", "spike-0.1-0.08", "spike-0.8-0.01",
@@ -190,17 +175,44 @@ def test_heavy_tailed_kl_at_the_edge_is_rarely_safe_under_prose_rounds(family):
     most 5% of 2,000 cells, within simulation error. The plain mean of such KL can lie far above the capped one:
     the report's words say which it bounds (kvlab.stats.intervals.kl_bounds)."""
     rng = np.random.default_rng(sum(map(ord, family)))
-    safe = np.mean(prose_decisions(heavy(rng, 2000, 96, family), Rule(), PROSE) == 1)
+    safe = np.mean(prose_job(heavy(rng, 2000, 150, family), Rule(), PROSE)[0] == 1)
     assert safe <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
 
 
 def test_prose_decisions_match_kl_bounds():
-    """The vectorised prose job above reads the same decisions as kl_bounds at the same n."""
+    """The vectorised prose job (kvlab.tools.kl_tail.prose_job) reads the same decisions as kl_bounds at the same n."""
     rng = np.random.default_rng(3)
-    x = heavy(rng, 30, 60, "mean-1.0") * rng.choice([0.3, 1.0, 3.0], size=(30, 1))
-    fast = prose_decisions(x, Rule(planned_share=1.0), np.array([60]))
+    x = heavy(rng, 30, 150, "mean-1.0") * rng.choice([0.3, 1.0, 3.0], size=(30, 1))
+    fast = prose_job(x, Rule(planned_share=1.0), np.array([150]))[0]
     slow = [{"safe": 1, "unsafe": -1, "inconclusive": 0}[kl_bounds(row, KL).decide(KL)] for row in x]
     assert fast.tolist() == slow and set(slow) == {-1, 0, 1}
+
+
+@pytest.mark.parametrize("share,value", FAMILIES)
+def test_ruined_documents_are_not_called_safe_under_the_default(share, value):
+    """Issue 62's table: 3% or 5% of documents at 1 nat, 5% or 8% at 0.3 nat, the rest lognormal around 0.002 nat,
+    run as the default's prose job (10, then rounds of 6, up to its max_samples): called safe in at most 5% of 2,000
+    cells, within simulation error. Under the rule before (tail share 0.1, up to 96) the first row was called safe in
+    two cells of three, the second in one of three: putting it back fails here."""
+    rounds = Rounds.of(expand(yaml.safe_load(CONFIG.read_text()), SCHEMA, "default"))
+    assert rounds == Rounds(10, 6, 150)
+    assert safe_share(Rule(), rounds, share, value, 2000) <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
+    if value == 1.0:
+        before = safe_share(replace(Rule(), kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=OLD["max_samples"]),
+                            share, value, 2000)
+        assert before > {0.03: 0.6, 0.05: 0.3}[share]
+
+
+def test_what_the_strict_tail_costs():
+    """A quiet cell (KL 0) is decided safe at 110 samples (quiet_kl_samples) and stops at 118 in the default's prose
+    rounds (the first round's end where its e-value has reached the table's stopping level), within max_samples; a cell like 4-bit KIVI's (lognormal, mean 0.0074
+    nat, log-sd 0.5) is decided safe in at least 95% of cells by 150, at a median of 118 (64 under the rule before)."""
+    rule, rounds = Rule(), Rounds(10, 6, 150)
+    assert quiet_kl_samples(rule.kl_safe, rule.kl_cap_ratio, rule.kl_tail_share) == 110
+    assert quiet(rule, rounds) == 118
+    share, median = cost(rule, rounds, 0.5, 400)
+    assert share >= 0.95 and median == 118
+    assert quiet(replace(rule, kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=96)) == 34
 
 
 def answers_of(task: str, context: int, n: int, lost: bool, start: int = 0) -> list[dict]:

@@ -58,8 +58,8 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     """One job cell's numbers and decision: accuracy with its Wilson interval over the answers, the drop vs the full
     cache with its betting bounds over samples in draw order (valid however the job stopped: kvlab.stats.anytime), or on
     prose the mean per-sample KL with the betting bounds of its capped mean (kvlab.stats.intervals.kl_bounds; each
-    sample capped at kl_cap_ratio × kl_safe; `kl_over_cap`: samples above it, `kl_tail_high`: the upper bound of
-    their share); `sample_sd`, the
+    sample capped at `kl_cap` = kl_cap_ratio × kl_safe nats; `kl_over_cap`: samples above it, `kl_tail_high`: the
+    upper bound of their share); `sample_sd`, the
     per-sample spread; the sample at which it was decided (`decided_at`, in draw order) and that sample's evaluation
     round, the e-values of its safe and unsafe tests and `cap` (the samples its jobs could reach); `n_to_decide`
     for an inconclusive cell (kvlab.stats.intervals).
@@ -77,7 +77,7 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
         s, threshold = per_sample(rows, ["kl_vs_full", *rounds]), rule.kl_safe
         b = kl_bounds(s["kl_vs_full"].to_numpy(), threshold, rule.kl_cap_ratio, rule.kl_tail_share)
         out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, kl_over_cap=b.over_cap,
-                   kl_tail_high=b.tail_high, decision=b.decide(threshold))
+                   kl_tail_high=b.tail_high, kl_cap=rule.kl_cap_ratio * threshold, decision=b.decide(threshold))
     else:
         s = per_sample(rows, ["score", "full_score", *rounds])
         threshold = rule.tolerance_points
@@ -206,7 +206,8 @@ def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
             r = _binding(g, decision).to_dict()
             r.update(decision=decision, table_decision=combine(list(g["table_decision"])),
                      answers=int(g["answers"].sum()), samples=int(g["samples"].sum()), cap=g["cap"].sum(min_count=len(g)),
-                     **{k: g[k].sum(min_count=1) for k in ("losses", "gains") if k in g},  # flips of all its job cells
+                     **{k: g[k].sum(min_count=1) for k in ("losses", "gains", "kl_over_cap") if k in g},  # flips, tails of all its job cells
+                     **({"kl_tail_high": g["kl_tail_high"].max()} if "kl_tail_high" in g else {}),
                      n_to_decide=math.nan if decision != "inconclusive" else r["n_to_decide"])
         r["jobs"] = "; ".join(f"{j['task']} @ {j['context_tokens']:,}: {j['decision']}" for _, j in g.iterrows())
         r.update(dict(zip(keys, key)))
@@ -214,12 +215,36 @@ def cells(rows: pd.DataFrame, rule: Rule, by: list[str]) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def is_kl(r) -> bool:
+    """Whether a judged cell is a prose (KL) cell."""
+    return "kl_mean_nats" in r and not pd.isna(r["kl_mean_nats"])
+
+
+def tail(r) -> str:
+    """A KL cell's tail in words: '2 of 96 documents above 0.05 nat (share ≤ 8.7%)' (its samples above the cap and the
+    one-sided 95% upper bound of their share); '' for a cell of answers."""
+    if not is_kl(r):
+        return ""
+    return (f"{r['kl_over_cap']:.0f} of {r['samples']} documents above {r['kl_cap']:g} nat "
+            f"(share ≤ {r['kl_tail_high']:.1%})")
+
+
+def shown(r, decision: str | None = None) -> str:
+    """A decision as printed beside its cell (`decision`, default the cell's table_decision): a KL cell decided safe
+    that has any sample above its cap never reads plain 'safe' but 'safe on average; 2 of 96 documents above 0.05 nat
+    (share ≤ 8.7%)': its capped mean and tail share are bounded, yet some documents came out changed."""
+    decision = r.get("table_decision", r["decision"]) if decision is None else decision
+    if decision == "safe" and is_kl(r) and r["kl_over_cap"] > 0:
+        return f"safe on average; {tail(r)}"
+    return decision
+
+
 def evidence(r) -> str:
     """A cell's numbers in one phrase: n, the interval, its flips (samples lost and gained against the full cache)
-    and for an inconclusive cell the n that would decide it."""
-    if "kl_mean_nats" in r and not pd.isna(r["kl_mean_nats"]):
+    or, on prose, its tail (documents above the cap), and for an inconclusive cell the n that would decide it."""
+    if is_kl(r):
         text = (f"KL {r['kl_mean_nats']:.3g} nat, capped mean bounds [{r['kl_low']:.3g}, {r['kl_high']:.3g}], "
-                f"{r['kl_over_cap']:.0f} above the cap (share ≤ {r['kl_tail_high']:.0%}), n={r['samples']}")
+                f"{tail(r)}, n={r['samples']}")
     else:
         text = (f"{r['accuracy']:.0%} [{r['accuracy_low']:.0%}, {r['accuracy_high']:.0%}] vs full {r['full_accuracy']:.0%} "
                 f"[{r['full_low']:.0%}, {r['full_high']:.0%}], drop {r['drop_points']:+.1f} pts, "
@@ -262,6 +287,16 @@ def _label(r) -> str:
     return f"{r.method}{budget} ({1 / r.kv_fraction_bf16:.1f}×)"
 
 
+def _safe_label(r) -> str:
+    """A safe cell in the decision table: its label, and on prose its tail beside it (every KL cell shows how many
+    documents went above the cap, and a cell with any reads 'safe on average')."""
+    d = r._asdict()
+    if not is_kl(d):
+        return _label(r)
+    words = shown(d, "safe")
+    return f"{_label(r)} [{words if words != 'safe' else tail(d)}]"
+
+
 def measured_on(rows: pd.DataFrame) -> str:
     """Which tasks at which context lengths rows come from, with their distinct prompts: 'niah_single @ 1,024 (12)'."""
     parts = [f"{task} @ {ctx:,} ({g['sample_id'].nunique()})"
@@ -300,9 +335,9 @@ def decision_table(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
         unsafe = sorted(m for m, d in c.groupby("method")["table_decision"] if (d == "unsafe").all())
         out.append([
             model, shape, mode, measured_on(g), full,
-            ", ".join(_label(r) for r in best.itertuples()) or "none",
+            ", ".join(_safe_label(r) for r in best.itertuples()) or "none",
             f"{1 / best['kv_fraction_bf16'].min():.1f}×" if len(best) else "",
-            ", ".join(_label(r) for r in reach.itertuples()) or "none",
+            ", ".join(_safe_label(r) for r in reach.itertuples()) or "none",
             "; ".join(f"{_label(r)}: {evidence(r._asdict())}" for r in open_.itertuples()) or "none",
             ", ".join(unsafe),
         ])
@@ -317,7 +352,9 @@ def outcomes(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
     table's decisions, `table_decision`):
     'safe' at its most compressed safe budget, 'unsafe' at every budget (shown at its least compressed one),
     'inconclusive' otherwise (at its most compressed undecided budget), 'not judged' where the full cache scores
-    0% (at its least compressed budget); with that budget, the compression it reached (bf16 bytes of the full cache over the method's) and n."""
+    0% (at its least compressed budget); with that budget, the compression it reached (bf16 bytes of the full cache over the method's) and n;
+    on prose its samples above the KL cap (`over_cap`, nan for answers), its `tail` in words and the outcome as
+    printed (`shown`: 'safe on average; …' for a safe KL cell with documents above the cap)."""
     out = []
     c = cells(rows, rule, by=["model", "shape", "question_mode"])
     for key, g in c.groupby(["model", "shape", "question_mode", "method"], sort=True):
@@ -331,6 +368,8 @@ def outcomes(rows: pd.DataFrame, rule: Rule = Rule()) -> pd.DataFrame:
         else:
             outcome, pick = "not judged", g.loc[g["kv_fraction_bf16"].idxmax()]
         out.append({**dict(zip(["model", "shape", "question_mode", "method"], key)), "outcome": outcome,
-                    "budget": pick["budget"], "compression": 1 / pick["kv_fraction_bf16"], "samples": pick["samples"]})
+                    "budget": pick["budget"], "compression": 1 / pick["kv_fraction_bf16"], "samples": pick["samples"],
+                    "over_cap": pick["kl_over_cap"] if is_kl(pick) else math.nan, "tail": tail(pick),
+                    "shown": shown(pick, outcome)})
     return pd.DataFrame(out, columns=["model", "shape", "question_mode", "method", "outcome", "budget", "compression",
-                                      "samples"])
+                                      "samples", "over_cap", "tail", "shown"])

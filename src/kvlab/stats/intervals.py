@@ -144,7 +144,8 @@ def drop_bounds(full: np.ndarray, method: np.ndarray, threshold: float, share: f
                   more_of=lambda: s.more, log_e_safe=s.log_e_down, log_e_unsafe=s.log_e_up, decided_at=min(decided, default=0))
 
 
-TAIL_SHARE = 0.1  # config decision.kl_tail_share's default: the largest share of prose samples above the cap a safe cell may have
+TAIL_SHARE = 0.03  # config decision.kl_tail_share's default: the largest share of prose samples above the cap a safe cell
+# may have (0.1 before issue 62 let one document in twenty come out ruined: kvlab.tools.kl_tail, docs/statistics.md)
 
 
 def kl_bounds(values: np.ndarray, threshold: float, ratio: float = 5.0, tail_share: float = TAIL_SHARE) -> Bounds:
@@ -220,6 +221,6 @@ def shown(b: Bounds, unit: str, digits: str = ".3g") -> str:
     capped mean's, followed by its samples above the cap and the tail share's upper bound)."""
     bounds = f"[{b.low:{digits}}, {b.high:{digits}}]" if np.isfinite(b.high) else "(too few samples to bound it)"
     if b.tail_limit < 1:
-        bounds = (f"capped mean {bounds}; {b.over_cap} of {b.n} samples above the cap, share ≤ {b.tail_high:.0%} "
-                  f"(limit {b.tail_limit:.0%})")
+        bounds = (f"capped mean {bounds}; {b.over_cap} of {b.n} documents above the cap, share ≤ {b.tail_high:.1%} "
+                  f"(limit {b.tail_limit:.1%})")
     return f"{b.mean:{digits}}{unit} {bounds}, n={b.n}"

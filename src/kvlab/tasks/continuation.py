@@ -25,7 +25,7 @@ def reference_tokens(spec: dict) -> int:
 
 
 @dataclass(kw_only=True)
-class Params(TaskParams):  # nothing is answered: no decoding cap, no sequential rounds
+class Params(TaskParams):  # nothing is answered: no decoding cap
     continuation_tokens: int = param(128, "true continuation tokens teacher-forced for KL and perplexity", minimum=2, maximum=4096)
 
 

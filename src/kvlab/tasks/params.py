@@ -11,7 +11,7 @@ from kvlab.util.params import param
 
 @dataclass(kw_only=True)
 class TaskParams:
-    """What every task kind takes: its lengths, samples and seed."""
+    """What every task kind takes: its lengths, samples, seed and sequential rounds."""
 
     context_tokens: list[int] = param(doc="prompt lengths in the model's own tokens (chat template included); an upper bound for "
                                       "arithmetic", minItems=1, uniqueItems=True, items={"minimum": 128, "maximum": 131072})
@@ -20,14 +20,14 @@ class TaskParams:
         "context_tokens (e.g. [12, 4, 2]: fewer at the longest lengths)",
         oneOf=[{"minimum": 1}, {"minItems": 1, "items": {"minimum": 1}}])
     seed: int = param(0, "seed of the task's draws", minimum=0)
+    max_samples: int | None = param(None, "this task's own sequential.max_samples: the most prompts one of its jobs may reach",
+                                    minimum=0)
 
 
 @dataclass(kw_only=True)
 class Answered(TaskParams):
-    """A task whose prompts are answered (every kind but prose continuation): its sequential rounds and decoding cap."""
+    """A task whose prompts are answered (every kind but prose continuation): its decoding cap."""
 
-    max_samples: int | None = param(None, "this task's own sequential.max_samples: the most prompts one of its jobs may reach",
-                                    minimum=0)
     max_new_tokens: int | None = param(None, "this task's greedy decoding cap (replaces the top-level max_new_tokens)",
                                        minimum=1, maximum=512)
 

@@ -30,7 +30,7 @@ from kvlab.util.columns import EVAL_COLUMNS
 from kvlab.state.config import resolve
 from kvlab.util.io import atomic_path, read_parquet
 from kvlab.report.build import CSS, load_queries
-from kvlab.report.decision import Rule, cells, why_open
+from kvlab.report.decision import Rule, cells, shown, tail, why_open
 from kvlab.report.html import esc, section, table
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -92,9 +92,10 @@ def table_so_far(rows: pd.DataFrame, rule: Rule) -> pd.DataFrame:
     c = cells(rows, rule, by=BY)
     kl = c["kl_low"].notna() if "kl_low" in c else pd.Series(False, index=c.index)
     low, high = (c[k] if k in c else pd.Series(float("nan"), index=c.index) for k in ("drop_low", "drop_high"))
-    bounds = [f"KL [{r['kl_low']:.3g}, {r['kl_high']:.3g}] nat" if is_kl else f"drop [{lo:+.1f}, {hi:+.1f}] pts"
+    bounds = [f"KL [{r['kl_low']:.3g}, {r['kl_high']:.3g}] nat; {tail(r)}" if is_kl else f"drop [{lo:+.1f}, {hi:+.1f}] pts"
               for (_, r), is_kl, lo, hi in zip(c.iterrows(), kl, low, high)]
-    state = ["open" if d == "inconclusive" else f"decided {d}" if d in ("safe", "unsafe") else d for d in c["decision"]]
+    state = ["open" if r["decision"] == "inconclusive" else f"decided {shown(r, r['decision'])}"
+             if r["decision"] in ("safe", "unsafe") else r["decision"] for _, r in c.iterrows()]
     needs = [why_open(r) if r["decision"] == "inconclusive" else "" for _, r in c.iterrows()]
     kept = ["yes" if t == d and d in ("safe", "unsafe") else "" for t, d in zip(c["table_decision"], c["decision"])]
     out = c[[*BY, "method", "budget"]].assign(state=state, n=c["samples"], bounds=bounds, needs=needs)

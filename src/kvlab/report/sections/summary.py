@@ -3,7 +3,7 @@ methods reach ≥ the target's fewer bytes than bf16 and stay safe (the decision
 
 import pandas as pd
 
-from kvlab.report.decision import Rule, cells, decision_table, evidence
+from kvlab.report.decision import Rule, cells, decision_table, evidence, shown
 from kvlab.report.html import esc
 
 TITLE = "Summary"
@@ -31,7 +31,8 @@ def decided(answers: pd.DataFrame, rule: Rule) -> str:
 
 
 def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
-    """The methods decided safe, with their n and bounds, by task shape and question mode."""
+    """The methods decided safe, with their n and bounds (on prose their documents above the KL cap: a cell with any
+    reads 'safe on average'), by task shape and question mode."""
     if answers.empty:
         return ""
     c = cells(answers, rule, by=["model", "shape", "question_mode"])
@@ -40,7 +41,8 @@ def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
         return "<p><b>Decided safe:</b> no method on any cell of this run.</p>"
     items = "".join(f"<li>{esc(r['shape'])} ({esc(r['question_mode'])}): <b>{esc(r['method'])}"
                     f"{'@' + format(r['budget'], 'g') if r['budget'] < 1 else ''}</b> ({1 / r['kv_fraction_bf16']:.1f}×): "
-                    f"{esc(evidence(r))}</li>" for _, r in safe.iterrows())
+                    f"{'' if shown(r) == 'safe' else esc(shown(r).split(';')[0]) + ' — '}{esc(evidence(r))}</li>"
+                    for _, r in safe.iterrows())
     return f"<p><b>Decided safe</b> (each with its n and one-sided 95% bounds):</p><ul>{items}</ul>"
 
 

@@ -16,11 +16,12 @@ INK = dict(zip(OUTCOMES, ("white", "white", "#222", "#222")))
 
 
 def chart(grid: pd.DataFrame) -> alt.TopLevelMixin:
-    """One rect per row of `outcomes`, coloured by its outcome, labelled with its mark, compression and n; one
-    panel per model."""
+    """One rect per row of `outcomes`, coloured by its outcome, labelled with its mark, compression and n, and on
+    prose its documents above the KL cap ('3 > cap'; the tooltip gives the tail in words); one panel per model."""
     data = grid.assign(
         row=grid["shape"] + " · " + grid["question_mode"],
-        label=[f"{MARKS[o]} {c:.1f}×\nn={n}" for o, c, n in zip(grid["outcome"], grid["compression"], grid["samples"])],
+        label=[f"{MARKS[o]} {c:.1f}×\nn={n}" + ("" if pd.isna(k) else f"\n{k:.0f} > cap")
+               for o, c, n, k in zip(grid["outcome"], grid["compression"], grid["samples"], grid["over_cap"])],
         ink=grid["outcome"].map(INK),
     )
     x = alt.X("method:N", title=None, sort="ascending", axis=alt.Axis(orient="top", labelAngle=-35))
@@ -29,12 +30,12 @@ def chart(grid: pd.DataFrame) -> alt.TopLevelMixin:
     rect = alt.Chart().mark_rect(stroke="white", strokeWidth=2).encode(
         x=x, y=y, color=alt.Color("outcome:N", title="outcome", legend=alt.Legend(orient="bottom"),
                                   scale=alt.Scale(domain=domain, range=[COLOURS[o] for o in domain])),
-        tooltip=["model", "shape", "question_mode", "method", "outcome", "budget", "compression", "samples"],
+        tooltip=["model", "shape", "question_mode", "method", "shown", "budget", "compression", "samples"],
     )
     text = alt.Chart().mark_text(fontSize=10, lineBreak="\n").encode(
         x=x, y=y, text="label:N", color=alt.Color("ink:N", scale=None),
     )
-    return alt.layer(rect, text, data=data).properties(width=alt.Step(62), height=alt.Step(32)).facet(
+    return alt.layer(rect, text, data=data).properties(width=alt.Step(62), height=alt.Step(40)).facet(
         row=alt.Row("model:N", title=None)
     )
 
@@ -51,7 +52,10 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         f"table's rule (below), with the compression it reached (the full cache's bf16 bytes over the bytes it "
         f"stored, measured) and n, the samples behind the decision. <b>Safe</b> (green, ✓): the one-sided 95% upper "
         f"bound of its accuracy drop vs the full cache on the same samples is at most {rule.tolerance_points:g} "
-        f"points (on prose: of its KL, {rule.kl_safe:g} nat), shown at its most compressed safe budget. "
+        f"points (on prose: of its capped mean KL, {rule.kl_safe:g} nat, with the share of documents above the cap of "
+        f"{rule.kl_cap_ratio * rule.kl_safe:g} nat at most {rule.kl_tail_share:.0%}), shown at its most compressed safe "
+        f"budget. A prose cell says how many of its documents went above the cap ('3 > cap'): one with any is safe "
+        f"on average only, and the decision table names them. "
         f"<b>Unsafe</b> (red, ✗): the lower bound exceeds it at every budget (shown at the least compressed). "
         f"<b>Inconclusive</b> (yellow, ?): the data cannot decide — the interval straddles the tolerance (shown at "
         f"the most compressed undecided budget). Not judged (grey, –): the full cache itself scores 0%. Blank: the "

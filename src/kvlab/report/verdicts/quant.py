@@ -18,7 +18,8 @@ def _prose(q: dict) -> pd.DataFrame:
 def _kl_cells(rows: pd.DataFrame, t, threshold: float) -> list[tuple[str, int, object]]:
     """(method, prefix tokens, betting bounds of the mean per-sample KL tested at `threshold`) per method and prefix
     length (kvlab.stats.intervals.kl_bounds)."""
-    return [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold, t.rule.kl_cap_ratio))
+    return [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold, t.rule.kl_cap_ratio,
+                                  t.rule.kl_tail_share))
             for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
 
 
