@@ -206,7 +206,8 @@ def test_ruined_documents_are_not_called_safe_under_the_default(share, value):
 def test_what_the_strict_tail_costs():
     """A quiet cell (KL 0) is decided safe at 110 samples (quiet_kl_samples) and stops at 118 in the default's prose
     rounds (the first round's end where its e-value has reached the table's stopping level), within max_samples; a
-    cell like 4-bit KIVI's (lognormal, mean 0.0074 nat, log-sd 0.5) is decided safe in at least 95% of cells by 150, at a median of 118 (64 under the rule before)."""
+    cell like 4-bit KIVI's (lognormal, mean 0.0074 nat, log-sd 0.5) is decided safe in at least 95% of cells by 150,
+    at a median of 118 (64 under the rule before)."""
     rule, rounds = Rule(), Rounds(10, 6, 150)
     assert quiet_kl_samples(rule.kl_safe, rule.kl_cap_ratio, rule.kl_tail_share) == 110
     assert quiet(rule, rounds) == 118
