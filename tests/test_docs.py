@@ -114,3 +114,9 @@ def test_every_cited_section_is_a_heading_of_its_file():
                     bad.append(f"{path.relative_to(ROOT)}:{n}: {file} \"{section}\"")
     assert not bad, "sections cited that are not headings there:\n" + "\n".join(bad)
 
+
+
+def test_readme_lines_are_at_most_120_characters():
+    long = [f"README.md:{n}: {len(line)} characters" for n, line in enumerate(README.read_text().splitlines(), 1)
+            if len(line) > 120]
+    assert not long, "\n".join(long)

@@ -41,16 +41,23 @@ def test_schemes_are_the_schema_schemes_and_the_readme_table():
     quant = next(b["then"] for b in SCHEMA["$defs"]["method"]["allOf"] if b["if"]["properties"]["kind"]["const"] == "quant")
     assert set(SCHEMES) == set(quant["properties"]["scheme"]["enum"])
     assert all(cls.name == name for name, cls in SCHEMES.items())
-    table = set(re.findall(r"^  \| `(\w+)` \|", README, flags=re.M))
+    table = set(re.findall(r"^  - `(\w+)` — keys: ", README, flags=re.M))
     assert set(SCHEMES) <= table, set(SCHEMES) - table
 
 
 def task_table() -> dict[str, set[str]]:
-    """README's task table: each kind its row names (first cell), with the names its parameters cell shows."""
-    lines = README.split("  | kind | what it tests | parameters |\n", 1)[1].split("\n")[1:]  # after the |---| line
+    """README's list of task kinds: each kind its item names (before the dash), with the names its parameters show."""
+    lines = README.split("\n- **tasks** — ", 1)[1].split("\n")
+    items = []
+    for line in lines[: next(i for i, x in enumerate(lines) if x.startswith("- "))]:  # to the next key
+        if line.startswith("  - "):
+            items.append(line[4:])
+        elif items and line.startswith("    "):
+            items[-1] += " " + line.strip()
     rows = {}
-    for line in lines[: next(i for i, x in enumerate(lines) if not x.startswith("  | "))]:
-        kinds, _, params = line.strip(" |").split(" | ")
+    for item in items:
+        kinds, _, rest = item.partition(" — ")
+        params = rest.partition("; parameters: ")[2]
         rows |= {k: set(re.findall(r"`(\w+)`", params)) for k in re.findall(r"`(\w+)`", kinds)}
     return rows
 
