@@ -4,7 +4,6 @@ decisions keep their false-decision rate, a cell with one early loss is decided 
 n overflows. Vectorised over cells (kvlab.stats.anytime.wealth_at): seconds."""
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,22 +16,12 @@ from kvlab.stats.anytime import ALPHA, ebh, sequence, wealth_at
 from kvlab.report.decision import Rule, cells, decision_table
 from kvlab.state.config import expand
 from kvlab.stats.intervals import drop_bounds, kl_bounds, lossless_samples, quiet_kl_samples
-from kvlab.tools.kl_tail import FAMILIES, OLD, Rounds, cost, prose_job, quiet, safe_share
+from kvlab.tools.kl_tail import FAMILIES, Rounds, before, cost, first_true, prose_job, quiet, safe_share
 
 LEVEL = math.log(1 / ALPHA)
 THETA = 0.05  # 5 points
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG, SCHEMA = ROOT / "config.yaml", ROOT / "workflow" / "config.schema.yaml"
-
-
-def round_ends(first: int, step: int, most: int) -> np.ndarray:
-    """The sample counts at which a job reads its cells: its first samples, then every `step`, up to `most`."""
-    return np.unique(np.r_[np.arange(first, most, step), most])
-
-
-def first_true(crossed: np.ndarray) -> np.ndarray:
-    """Per row, the first column index (1-based) where `crossed` holds; 0 where it never does."""
-    return np.where(crossed.any(axis=1), crossed.argmax(axis=1) + 1, 0)
 
 
 def run_table(drops: np.ndarray, ends: np.ndarray, stop_e: float) -> dict[str, np.ndarray]:
@@ -77,7 +66,7 @@ def test_the_table_keeps_its_false_decision_rate_and_its_true_decisions():
     and the unadjusted per-cell decisions it printed are wrong far more often than 5%. A lossless cell needs 102
     samples under it (the max here is 120; the default's 96 could not reach 100)."""
     rng = np.random.default_rng(52)
-    ends, stop_e = round_ends(6, 6, 120), Rule(planned_share=0.2).stop_e
+    ends, stop_e = Rounds(6, 6, 120).ends, Rule(planned_share=0.2).stop_e
     false_share, kept_true, old_kept, own_false = [], [], [], []
     for _ in range(40):
         drops, truth = simulated_table(rng, 120)
@@ -121,7 +110,7 @@ def test_the_level_under_the_round_schedule(loss):
     """2,000 cells losing 5% (or 6%) of their answers, run as a default job (6, then rounds of 6, up to 96, stopped
     at the table's level): called safe in at most 5% of cells."""
     rng = np.random.default_rng(int(loss * 100))
-    out = run_table((rng.random((2000, 96)) < loss).astype(float), round_ends(6, 6, 96), Rule().stop_e)
+    out = run_table((rng.random((2000, 96)) < loss).astype(float), Rounds(6, 6, 96).ends, Rule().stop_e)
     assert np.mean(out["decision"] == 1) <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
 
 
@@ -198,9 +187,7 @@ def test_ruined_documents_are_not_called_safe_under_the_default(share, value):
     assert rounds == Rounds(10, 6, 150)
     assert safe_share(Rule(), rounds, share, value, 2000) <= ALPHA + 2 * math.sqrt(ALPHA * (1 - ALPHA) / 2000)
     if value == 1.0:
-        before = safe_share(replace(Rule(), kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=OLD["max_samples"]),
-                            share, value, 2000)
-        assert before > {0.03: 0.6, 0.05: 0.3}[share]
+        assert safe_share(*before(Rule(), rounds), share, value, 2000) > {0.03: 0.6, 0.05: 0.3}[share]
 
 
 def test_what_the_strict_tail_costs():
@@ -213,7 +200,7 @@ def test_what_the_strict_tail_costs():
     assert quiet(rule, rounds) == 118
     share, median = cost(rule, rounds, 0.5, 400)
     assert share >= 0.95 and median == 118
-    assert quiet(replace(rule, kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=96)) == 34
+    assert quiet(*before(rule, rounds)) == 34
 
 
 def answers_of(task: str, context: int, n: int, lost: bool, start: int = 0) -> list[dict]:

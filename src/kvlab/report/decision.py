@@ -42,6 +42,11 @@ class Rule:
     kl_min_samples: int = 10  # the tables' descriptive KL bounds (bootstrap) stay blank under this many samples
     target: float = 4.0  # the article's question: 40 GB → 10 GB, i.e. at least 4× fewer bytes than bf16
 
+    def kl_bounds(self, values, threshold: float | None = None):
+        """kl_bounds of per-sample KL (draw order) under this rule: its cap ratio and tail share, at `threshold`
+        (default kl_safe; a claim's own KL threshold otherwise). Every prose verdict is read through this one call."""
+        return kl_bounds(values, self.kl_safe if threshold is None else threshold, self.kl_cap_ratio, self.kl_tail_share)
+
     @property
     def stop_e(self) -> float:
         """The e-value at which a job stops feeding a decided cell: 1/(α · planned share). If at least that share of
@@ -75,7 +80,7 @@ def judge(rows: pd.DataFrame, rule: Rule) -> dict:
     rounds = ["round"] if "round" in rows else []
     if "kl_vs_full" in rows and rows["kl_vs_full"].notna().all():
         s, threshold = per_sample(rows, ["kl_vs_full", *rounds]), rule.kl_safe
-        b = kl_bounds(s["kl_vs_full"].to_numpy(), threshold, rule.kl_cap_ratio, rule.kl_tail_share)
+        b = rule.kl_bounds(s["kl_vs_full"].to_numpy(), threshold)
         out.update(kl_mean_nats=b.mean, kl_low=b.low, kl_high=b.high, kl_over_cap=b.over_cap,
                    kl_tail_high=b.tail_high, kl_cap=rule.kl_cap_ratio * threshold, decision=b.decide(threshold))
     else:
@@ -234,9 +239,15 @@ def shown(r, decision: str | None = None) -> str:
     that has any sample above its cap never reads plain 'safe' but 'safe on average; 2 of 96 documents above 0.05 nat
     (share ≤ 8.7%)': its capped mean and tail share are bounded, yet some documents came out changed."""
     decision = r.get("table_decision", r["decision"]) if decision is None else decision
-    if decision == "safe" and is_kl(r) and r["kl_over_cap"] > 0:
-        return f"safe on average; {tail(r)}"
-    return decision
+    return f"{ON_AVERAGE}; {tail(r)}" if decision == "safe" and over_cap(r) else decision
+
+
+ON_AVERAGE = "safe on average"  # a safe KL cell with documents above its cap (`shown`)
+
+
+def over_cap(r) -> bool:
+    """Whether a cell is a KL cell with any sample above its cap."""
+    return is_kl(r) and r["kl_over_cap"] > 0
 
 
 def evidence(r) -> str:
@@ -293,8 +304,7 @@ def _safe_label(r) -> str:
     d = r._asdict()
     if not is_kl(d):
         return _label(r)
-    words = shown(d, "safe")
-    return f"{_label(r)} [{words if words != 'safe' else tail(d)}]"
+    return f"{_label(r)} [{shown(d, 'safe') if over_cap(d) else tail(d)}]"
 
 
 def measured_on(rows: pd.DataFrame) -> str:

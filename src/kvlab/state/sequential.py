@@ -24,7 +24,7 @@ import math
 import pandas as pd
 
 from kvlab.report.decision import Rule
-from kvlab.stats.intervals import drop_bounds, kl_bounds, per_sample
+from kvlab.stats.intervals import drop_bounds, per_sample
 
 
 def planned(spec: dict, initial: int, max_samples: int) -> int:
@@ -71,8 +71,7 @@ def open_cells(rows: pd.DataFrame, rule: Rule) -> dict[tuple[str, float], set[st
         if not settled(b, rule.tolerance_points, rule):
             out.setdefault((method, float(budget)), set()).add(mode)
     for (method, budget, mode), g in prose.groupby(keys, sort=False):
-        b = kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), rule.kl_safe, rule.kl_cap_ratio,
-                      rule.kl_tail_share)
+        b = rule.kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy())
         if not settled(b, rule.kl_safe, rule):
             out.setdefault((method, float(budget)), set()).add(mode)
     return out

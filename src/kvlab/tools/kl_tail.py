@@ -115,9 +115,14 @@ def quiet(rule: Rule, rounds: Rounds) -> float:
     return float(used[0]) if decision[0] == 1 else math.nan
 
 
+def before(rule: Rule, rounds: Rounds) -> tuple[Rule, Rounds]:
+    """`rule` and `rounds` as they were before issue 62 (OLD)."""
+    return replace(rule, kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=OLD["max_samples"])
+
+
 def table(rule: Rule, rounds: Rounds, cells: int) -> pd.DataFrame:
     """Issue 62's table under `rule` and `rounds`, beside the rule before (OLD)."""
-    old_rule, old_rounds = replace(rule, kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=OLD["max_samples"])
+    old_rule, old_rounds = before(rule, rounds)
     rows = []
     for share, value in FAMILIES:
         plain = share * value + (1 - share) * BASE_KL
@@ -146,12 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"rule: cap {rule.kl_cap_ratio:g} × {rule.kl_safe:g} nat, tail share ≤ {rule.kl_tail_share:g}; prose_kl: "
           f"{rounds.first}, then rounds of {rounds.step}, up to {rounds.most}; {args.cells} cells per family")
     print(markdown(table(rule, rounds, args.cells)))
-    old_rule, old_rounds = replace(rule, kl_tail_share=OLD["kl_tail_share"]), replace(rounds, most=OLD["max_samples"])
+    old_rule, old_rounds = before(rule, rounds)
     print(f"quiet cell (KL 0): safe after {quiet(rule, rounds):g} samples (before: {quiet(old_rule, old_rounds):g})")
     for sigma in (0.5, 1.0):
-        now, before = cost(rule, rounds, sigma, 400), cost(old_rule, old_rounds, sigma, 400)
+        now, then = cost(rule, rounds, sigma, 400), cost(old_rule, old_rounds, sigma, 400)
         print(f"a cell like KIVI-4's (lognormal, mean {KIVI4_MEAN} nat, log-sd {sigma:g}): safe in {now[0]:.0%} of 400 "
-              f"cells by {rounds.most}, median n {now[1]:g} (before: {before[0]:.0%} by {old_rounds.most}, median {before[1]:g})")
+              f"cells by {rounds.most}, median n {now[1]:g} (before: {then[0]:.0%} by {old_rounds.most}, median {then[1]:g})")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ methods reach ≥ the target's fewer bytes than bf16 and stay safe (the decision
 
 import pandas as pd
 
-from kvlab.report.decision import Rule, cells, decision_table, evidence, shown
+from kvlab.report.decision import ON_AVERAGE, Rule, cells, decision_table, evidence, over_cap
 from kvlab.report.html import esc
 
 TITLE = "Summary"
@@ -41,7 +41,7 @@ def safe_list(answers: pd.DataFrame, rule: Rule) -> str:
         return "<p><b>Decided safe:</b> no method on any cell of this run.</p>"
     items = "".join(f"<li>{esc(r['shape'])} ({esc(r['question_mode'])}): <b>{esc(r['method'])}"
                     f"{'@' + format(r['budget'], 'g') if r['budget'] < 1 else ''}</b> ({1 / r['kv_fraction_bf16']:.1f}×): "
-                    f"{'' if shown(r) == 'safe' else esc(shown(r).split(';')[0]) + ' — '}{esc(evidence(r))}</li>"
+                    f"{ON_AVERAGE + ' — ' if over_cap(r) else ''}{esc(evidence(r))}</li>"
                     for _, r in safe.iterrows())
     return f"<p><b>Decided safe</b> (each with its n and one-sided 95% bounds):</p><ul>{items}</ul>"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.stats.intervals import all_of, at_least, kl_bounds, per_sample, shown
+from kvlab.stats.intervals import all_of, at_least, per_sample, shown
 
 KINDS = ("block_sparse", "cross_layer")
 
@@ -19,8 +19,7 @@ def _not_exact(q: dict, t, kind: str, budget: float) -> list[tuple[str, str, str
     rows = a[(a["method_kind"] == kind) & a["kl_vs_full"].notna() & ((a["budget"] - budget).abs() < 1e-9)]
     if rows.empty:
         return [("", "not measured", f"no {kind} method on prose at budget {budget:g}")]
-    cells = [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), t.kl, t.rule.kl_cap_ratio,
-                                  t.rule.kl_tail_share))
+    cells = [(method, ctx, t.rule.kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), t.kl))
              for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
     evidence = "; ".join(f"{m} {shown(b, ' nat')} at {ctx} tokens" for m, ctx, b in cells)
     return [("", all_of([at_least(b, t.kl) for *_, b in cells]), f"{evidence}.{floor_text(q, t.rule)}")]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from kvlab.report.noise import floor_text
-from kvlab.stats.intervals import all_of, at_least, at_most, drop_bounds, kl_bounds, per_sample, shown, wilson
+from kvlab.stats.intervals import all_of, at_least, at_most, drop_bounds, per_sample, shown, wilson
 from kvlab.report.tables import where
 
 
@@ -18,8 +18,7 @@ def _prose(q: dict) -> pd.DataFrame:
 def _kl_cells(rows: pd.DataFrame, t, threshold: float) -> list[tuple[str, int, object]]:
     """(method, prefix tokens, betting bounds of the mean per-sample KL tested at `threshold`) per method and prefix
     length (kvlab.stats.intervals.kl_bounds)."""
-    return [(method, ctx, kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold, t.rule.kl_cap_ratio,
-                                  t.rule.kl_tail_share))
+    return [(method, ctx, t.rule.kl_bounds(per_sample(g, ["kl_vs_full"])["kl_vs_full"].to_numpy(), threshold))
             for (method, ctx), g in rows.groupby(["method", "context_tokens"], sort=True)]
 
 
