@@ -296,10 +296,12 @@ def test_defaults_fill_entries_in_the_order_they_had_before_the_schema_was_gener
                                                  "queries", "question_position"]
 
 
-@pytest.mark.slow
-def test_a_task_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
-    """A task kind is its module and one line in KINDS (with its import), in a copy of the package, then one config
-    entry: Snakemake plans its job, and its rows carry the kind's name, its shape and its own decoding cap."""
+def run_in_a_copy(tmp_path, module: str, text: str, registry: str, edits: list[tuple[str, str]], section: str, name: str,
+                  entry: dict, out: str):
+    """The guide's steps in a copy of the package, run by Snakemake as a user runs it: the kind's `module` (a path
+    under src/kvlab) with `text`, its line in KINDS (`edits` to the `registry` file, each `old` found exactly once)
+    and one entry `name` under the smoke preset's `section`; returns the smoke config and the rows of job `out`."""
+    import os
     import shutil
 
     import pandas as pd
@@ -307,25 +309,35 @@ def test_a_task_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
 
     src = tmp_path / "src"
     shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
-    (src / "kvlab" / "tasks" / "echo.py").write_text(ECHO)  # its module
-    registry = src / "kvlab" / "tasks" / "__init__.py"
-    text = registry.read_text()
-    assert text.count("from kvlab.tasks import arithmetic, ") == 1 and text.count("(needle, ") == 1
-    registry.write_text(text.replace("from kvlab.tasks import arithmetic, ", "from kvlab.tasks import arithmetic, echo, ")
-                        .replace("(needle, ", "(needle, echo, "))  # its line in KINDS
+    (src / "kvlab" / module).write_text(text)  # its module
+    path = src / "kvlab" / registry
+    code = path.read_text()
+    for old, new in edits:  # its line in KINDS
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    path.write_text(code)
     work = workflow_copy(tmp_path / "run")
     config = yaml.safe_load((work / "config.yaml").read_text())
-    config["presets"]["smoke"]["tasks"]["echo"] = {"kind": "echo", "context_tokens": [256], "samples": 2}  # its config entry
+    config["presets"]["smoke"][section][name] = entry  # its config entry
     (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    out = "results/eval/tiny-qwen2/echo/256.parquet"
-    env = {**__import__("os").environ, "PYTHONPATH": str(src)}  # the copy's kvlab first (kvlab.kernels: the install's)
+    env = {**os.environ, "PYTHONPATH": str(src)}  # the copy's kvlab first (kvlab.kernels: the install's)
     proc = snakemake(work, out, "--config", "preset=smoke", timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = pd.read_parquet(work / out)
+    return config["presets"]["smoke"], pd.read_parquet(work / out)
+
+
+@pytest.mark.slow
+def test_a_task_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
+    """A task kind is its module and one line in KINDS (with its import), in a copy of the package, then one config
+    entry: Snakemake plans its job, and its rows carry the kind's name, its shape and its own decoding cap."""
+    smoke, rows = run_in_a_copy(
+        tmp_path, "tasks/echo.py", ECHO, "tasks/__init__.py",
+        [("from kvlab.tasks import arithmetic, ", "from kvlab.tasks import arithmetic, echo, "), ("(needle, ", "(needle, echo, ")],
+        "tasks", "echo", {"kind": "echo", "context_tokens": [256], "samples": 2}, "results/eval/tiny-qwen2/echo/256.parquet")
     assert set(rows["task_kind"]) == {"echo"} and set(rows["shape"]) == {"echo"} and set(rows["max_new_tokens"]) == {3}
     assert {"echo-0", "echo-1"} <= set(rows["sample_id"]) <= {"echo-0", "echo-1", "echo-2"}  # rounds: max_samples 3
     assert rows["prediction"].notna().all()
-    methods = config["presets"]["smoke"]["methods"]
+    methods = smoke["methods"]
     assert set(rows["method"]) == {m for m, entry in methods.items() if "tasks" not in entry}  # every method not kept to others
 
 
@@ -333,30 +345,11 @@ def test_a_task_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
 def test_a_method_kind_added_in_a_copy_runs_in_the_smoke_preset(tmp_path):
     """The guide's steps in a copy of the package, run by Snakemake as a user runs it: the kind's module, its line in
     KINDS (with its import) and one config entry; the smoke preset's needle job evaluates it at every budget."""
-    import shutil
-
-    from conftest import snakemake, workflow_copy
-
-    src = tmp_path / "src"
-    shutil.copytree(ROOT / "src", src, ignore=shutil.ignore_patterns("__pycache__"))
-    (src / "kvlab" / "methods" / "sketch.py").write_text(SKETCH)  # its module
-    registry = src / "kvlab" / "methods" / "__init__.py"
-    text = registry.read_text()
     line = "from kvlab.methods.quantized import HFQuantized, Quant\n"
-    assert line in text and "PromptCompression,\n" in text
-    registry.write_text(text.replace(line, line + "from kvlab.methods.sketch import Sketch\n")
-                        .replace("PromptCompression,\n", "PromptCompression, Sketch,\n", 1))  # its line in KINDS
-    work = workflow_copy(tmp_path / "run")
-    config = yaml.safe_load((work / "config.yaml").read_text())
-    config["presets"]["smoke"]["methods"]["sketchy"] = {"kind": "sketch", "tag": "sk"}  # its config entry
-    (work / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-    out = "results/eval/tiny-qwen2/niah_single/512.parquet"
-    env = {**__import__("os").environ, "PYTHONPATH": str(src)}  # the copy's kvlab first (kvlab.kernels: the install's)
-    proc = snakemake(work, out, "--config", "preset=smoke", timeout=900, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import pandas as pd
-
-    rows = pd.read_parquet(work / out)
+    smoke, rows = run_in_a_copy(
+        tmp_path, "methods/sketch.py", SKETCH, "methods/__init__.py",
+        [(line, line + "from kvlab.methods.sketch import Sketch\n"), ("PromptCompression,\n", "PromptCompression, Sketch,\n")],
+        "methods", "sketchy", {"kind": "sketch", "tag": "sk"}, "results/eval/tiny-qwen2/niah_single/512.parquet")
     sketch = rows[rows["method"] == "sketchy"]
-    assert set(sketch["budget"]) == set(config["presets"]["smoke"]["budgets"]) and set(sketch["scheme"]) == {"sk"}
+    assert set(sketch["budget"]) == set(smoke["budgets"]) and set(sketch["scheme"]) == {"sk"}
     assert sketch["prediction"].notna().all() and len(sketch) == len(rows[rows["method"] == "full"]) * 2
