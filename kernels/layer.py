@@ -2,7 +2,7 @@
 
 transformers' `DynamicLayer` gives `update`, `keys`, `values` and `get_seq_length`. What the engine needs beyond
 that is declared on :class:`KVLayer`, which every kvlab layer subclasses (quantized, H2O, masked, the engine's
-batched `Rows`), and read through the functions below, so that a layer of transformers' own (dense, sliding
+batched `PerRowLayer`), and read through the functions below, so that a layer of transformers' own (dense, sliding
 window, quantized) answers the same questions without carrying kvlab's attributes:
 
 * :func:`wants_query` — the engine's query hooks hand the layer its attention's queries (`pending_query`,
@@ -47,7 +47,7 @@ class KVLayer(DynamicLayer):
     streams: ClassVar[bool] = False  # a chunk can be fed in one pass and read as if fed one token at a time
     masked: torch.Tensor | None = None  # (1, H_kv, T) bool: the first T entries hidden from attention, still stored
     pending_query: torch.Tensor | None = None  # set by the query hooks when `wants_query`, consumed by `update`
-    fused_step: list[FusedRow] | None = None  # set by an update whose attention reads codes (see `Rows`)
+    fused_step: list[FusedRow] | None = None  # set by an update whose attention reads codes (see `PerRowLayer`)
     shares: int | None = None  # the layer whose keys and values it holds instead of its own (cross-layer sharing)
 
     def fork(self) -> "KVLayer":

@@ -197,7 +197,7 @@ def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, mo
     """The engine's decode steps over quantized rows run the Triton kernel on the codes (forced here on the CPU,
     where it is interpreted) and give the dequantizing path's logits, step after step, while groups flush into
     codes; a batch of two quantized rows too. Those steps build no attention mask."""
-    from kvlab.engine import Batch, Rows, compress, prefill
+    from kvlab.engine import Batch, PerRowLayer, compress, prefill
     from kvlab.methods import Variant
 
     model, tokenizer = tiny
@@ -214,13 +214,13 @@ def test_generation_through_the_kernel_decodes_as_the_dequantizing_path(tiny, mo
 
     monkeypatch.setattr(da, "decode_attention", counted)
     masks = {False: 0, True: 0}  # per-row masks built, by path: the kernel covers each row exactly, needs none
-    real_mask = Rows.mask
+    real_mask = PerRowLayer.mask
 
     def counted_mask(self, *args, **kwargs):
         masks[da.FUSED] += 1
         return real_mask(self, *args, **kwargs)
 
-    monkeypatch.setattr(Rows, "mask", counted_mask)
+    monkeypatch.setattr(PerRowLayer, "mask", counted_mask)
     logits = {}
     for fused in (False, True):
         monkeypatch.setattr(da, "FUSED", fused)

@@ -455,7 +455,7 @@ def test_masking_press_frees_nothing_and_hides_per_head(tiny, sample):
 
 
 def test_masked_rows_batched_with_quantized_rows_decode_as_alone(tiny, sample):
-    """When a layer holds a quantized row, every row of it is batched row by row (engine.Rows); an AdaKV row
+    """When a layer holds a quantized row, every row of it is batched row by row (engine.PerRowLayer); an AdaKV row
     there still hides its masked keys: its logits equal those of the AdaKV row batched alone."""
     model, _ = tiny
     p = sample.prompt
@@ -479,7 +479,7 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
     """A batch of one quantized cache (the throughput benchmark's) is one stacked layer per layer: a step
     updates it once and the decode kernel attends to all rows in one call. Every row decodes as the cache
     alone, on the dequantizing path and through the kernel (interpreted here), also after rows are dropped."""
-    from kvlab.engine import Rows, greedy_decode
+    from kvlab.engine import PerRowLayer, greedy_decode
     from kvlab.kernels import decode_attention
 
     model, _ = tiny
@@ -488,9 +488,9 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
     kivi = {"scheme": "kivi", "bits": 4, "group": 8, "residual": 8, "key_axis": "channel", "value_axis": "token"}
     cache = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))
     other = compress(model, base, Variant("kivi4", "quant", 1.0, kivi))  # same content, another storage
-    layer = next(x for x in Batch(model, [cache, cache, cache]).cache.layers if isinstance(x, Rows))
+    layer = next(x for x in Batch(model, [cache, cache, cache]).cache.layers if isinstance(x, PerRowLayer))
     assert layer.sizes == [3] and layer.rows[0].keys.shape[0] == 3
-    assert [len(x.rows) for x in Batch(model, [cache, other]).cache.layers if isinstance(x, Rows)][0] == 2
+    assert [len(x.rows) for x in Batch(model, [cache, other]).cache.layers if isinstance(x, PerRowLayer)][0] == 2
     tail = p.question + p.suffix
     for fused in (False, True):
         monkeypatch.setattr(decode_attention, "FUSED", fused)
@@ -504,7 +504,7 @@ def test_copies_of_one_quantized_cache_are_stacked_and_decode_as_one(tiny, sampl
             if step == 1:
                 batch.keep([0, 2])
                 nxt = nxt[[0, 2]]
-                assert [x.sizes for x in batch.cache.layers if isinstance(x, Rows)][0] == [2]
+                assert [x.sizes for x in batch.cache.layers if isinstance(x, PerRowLayer)][0] == [2]
             x = nxt[:, None]
 
 
@@ -1096,7 +1096,7 @@ def test_drafted_decoding_gives_the_stepwise_answers_in_fewer_passes(tiny, sharp
     """Groups with a `source` decode with drafts looked up in it (`_drafted`): rows of different prompts, compressions
     (evicted, re-rotated, masked per head, cross-layer shared) and positions, fed drafts that are right, wrong or
     absent, each take back what they reject (`Batch.reject`) and answer as one-token steps do; right drafts save
-    passes. Rows of quantized caches and kept logits get no drafts."""
+    passes. PerRowLayer of quantized caches and kept logits get no drafts."""
     from kvlab.engine import decode_groups
     from kvlab.engine.greedy import Group, decode_references
 
@@ -1163,14 +1163,14 @@ def test_a_prefill_scores_each_layer_once_for_every_budget(tiny, sample, press, 
 
 
 def test_layers_compressed_alike_share_one_mask(tiny, sample):
-    """Batch.alike: layers whose rows hold the same lengths share one mask per pass (every layer of a uniform press),
+    """Batch.same_mask_as: layers whose rows hold the same lengths share one mask per pass (every layer of a uniform press),
     layers of per-layer budgets (PyramidKV) where lengths differ and layers masked per head (AdaKV) keep their own,
     and each layer's shared mask is bitwise its own; dropping rows regroups them."""
     model = tiny[0]
     base = prefill(model, sample.prompt.context)
     uniform = Batch(model, [compress(model, base, Variant("s", "kvpress", 0.5, SNAP)),
                             compress(model, base, Variant("t", "kvpress", 0.25, STREAM))])
-    assert set(uniform.alike()) == {0}
+    assert set(uniform.same_mask_as()) == {0}
     pyramid = Variant("p", "kvpress", 0.5, {"kind": "kvpress", "press": "PyramidKVPress", "kwargs": {"window_size": 16}})
     ada = Variant("a", "kvpress", 0.5, {**SNAP, "wrapper": "AdaKVPress"})
     caches = [compress(model, base, v) for v in (pyramid, Variant("s", "kvpress", 0.5, SNAP), ada)]
@@ -1180,14 +1180,14 @@ def test_layers_compressed_alike_share_one_mask(tiny, sample):
         first = [idx if batch.masked[idx] is not None else next(
             j for j in range(idx + 1) if batch.masked[j] is None and batch.padded[j] == batch.padded[idx]
             and torch.equal(batch.lengths[j], batch.lengths[idx])) for idx in range(len(batch.padded))]
-        assert batch.alike() == first
+        assert batch.same_mask_as() == first
         for n in (1, 3):
-            for idx, same in enumerate(batch.alike()):
+            for idx, same in enumerate(batch.same_mask_as()):
                 mine, shared = batch.full_mask(idx, n, model.dtype), batch.full_mask(same, n, model.dtype)
                 assert (mine is None and shared is None) or torch.equal(mine, shared)
 
     for batch, distinct in ((Batch(model, caches[:2]), len(set(lengths))), (Batch(model, caches), len(lengths))):
-        assert len(set(batch.alike())) == distinct
+        assert len(set(batch.same_mask_as())) == distinct
         shared_masks_are_their_own(batch)
         batch.keep([0])  # fewer rows: masks of one row, regrouped
         shared_masks_are_their_own(batch)

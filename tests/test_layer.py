@@ -55,8 +55,8 @@ def test_traits_of_transformers_layers_and_kvlab_layers():
 @pytest.mark.parametrize("kind", [Watching, Plain])
 def test_a_new_layer_kind_is_batched_by_its_traits(tiny, kind):
     """A layer that wants queries gets each step's (1, H_q, n, D) before every update; one with its own layout is
-    kept apart from the other rows (engine.Rows); either way it decodes as the dense rows beside it."""
-    from kvlab.engine import Rows
+    kept apart from the other rows (engine.PerRowLayer); either way it decodes as the dense rows beside it."""
+    from kvlab.engine import PerRowLayer
 
     model, tokenizer = tiny
     p = KINDS["niah"].generate("niah_single", {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 3}, tokenizer, 300)[0].prompt
@@ -66,7 +66,7 @@ def test_a_new_layer_kind_is_batched_by_its_traits(tiny, kind):
     ours.layers = [kind(layer) for layer in ours.layers]
     tail = torch.tensor([p.question + p.suffix])
     batch = Batch(model, [ours, full])
-    assert all(isinstance(layer, Rows) == kind.own_layout for layer in batch.cache.layers)
+    assert all(isinstance(layer, PerRowLayer) == kind.own_layout for layer in batch.cache.layers)
     logits = batch.forward(tail.expand(2, -1), base.length)
     logits = torch.cat([logits, batch.forward(logits[:, -1:].argmax(-1), base.length + tail.shape[1])], dim=1)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)

@@ -39,7 +39,7 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     from kvlab.tools import profile_eval
     from kvlab.tools.profile_eval import main
 
-    monkeypatch.setattr(profile_eval, "SHAPES", ((64, 64, 64),))  # the peak's own test is below; at the engine's shapes it takes 14 s
+    monkeypatch.setattr(profile_eval, "MATMUL_SHAPES", ((64, 64, 64),))  # the peak's own test is below; at the engine's shapes it takes 14 s
     config = smoke_config(tmp_path, ["full", "snapkv", "kivi2", "h2o"])
     out = main(["--model-dir", str(tiny_dir), "--task", "niah_single", "--ctx", "512", "--preset", "smoke",
                 "--config", config, "--dtype", "float32", "--threads", "1", "--repeats", "2",
@@ -88,7 +88,7 @@ def test_peak_matmul_rate_counts_the_flops_it_times(monkeypatch):
     import kvlab.tools.profile_eval as pe
 
     clock = iter(range(100))
-    monkeypatch.setattr(pe, "SHAPES", ((4, 3, 5), (2, 2, 2)))
+    monkeypatch.setattr(pe, "MATMUL_SHAPES", ((4, 3, 5), (2, 2, 2)))
     monkeypatch.setattr(pe.time, "perf_counter", lambda: float(next(clock)))  # each timing spans exactly 1 s
     assert pe.peak_matmul_gflops(torch.float32, repeats=10) == pytest.approx(2 * 4 * 3 * 5 * 10 / 1e9)
 

@@ -17,7 +17,7 @@ from kvlab.kernels import triton_quant as tq
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # CPU tensors run only in the interpreter; compiled kernels need CUDA tensors
 DEVICES = ["cpu"] * INTERPRETED + ["cuda"] * torch.cuda.is_available()
-SHAPES = [(n, length) for n in (1, 63, 97, 130) for length in (16, 32, 64, 256, 24)]
+ROW_SHAPES = [(n, length) for n in (1, 63, 97, 130) for length in (16, 32, 64, 256, 24)]  # (rows, values per row) quantized
 BITS = (2, 4, 8)
 
 
@@ -49,7 +49,7 @@ def kv_rows(n: int, length: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_affine(shape, bits, device):
     x = kv_rows(*shape, seed=shape[0] * 1000 + shape[1] + bits).to(device)
     ref = quant.affine_quantize(x, bits)
@@ -69,7 +69,7 @@ def test_affine_input_dtypes_and_strides(dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_fp8_quantize(shape, device):
     n, length = shape
     g = torch.Generator().manual_seed(n + length)
@@ -114,7 +114,7 @@ def levels_for(bits: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", ROW_SHAPES)
 def test_grid(shape, bits, device):
     n, length = shape
     levels = levels_for(bits, seed=bits)

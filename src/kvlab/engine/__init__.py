@@ -15,7 +15,7 @@ as it would alone (tests/test_engine.py checks the predictions against one-varia
 Modules, each using only those listed below it: `sample` (rows per question mode and turn), `verify` (verified
 decoding: one teacher-forced pass along the reference's answer, only diverged rows decoded), `floors` (the noise
 floors), `teacher` (teacher forcing, length buckets, KL and NLL), `greedy` (greedy decoding, groups of prompts as one
-batch, drafts), `batch` (Batch), `layers` (a batch's Rows and Growing layers), `compress` (a compressed copy, cache
+batch, drafts), `batch` (Batch), `layers` (a batch's PerRowLayer and Growing layers), `compress` (a compressed copy, cache
 stats), `prefill` (capture, Prefilled, the shallow copy), `attention` (sdpa_gqa, per-layer masks, query hooks); beside
 them `drafts` (prompt lookup) and `tuning` (the speed tuning per device: how work is batched and buffered, never what
 is computed); below them `kvlab.models.structure` (layers, sliding layers, projections, stop ids), which method kinds
@@ -25,7 +25,7 @@ use too. The engine calls the kinds through `kvlab.methods.base` (MethodKind, Va
 
 from kvlab.engine.attention import ATTENTION, per_layer_masks, query_hooks, sdpa_gqa
 from kvlab.engine.batch import Batch, decode_path, host_free_step
-from kvlab.engine.layers import Rows, masked_entries
+from kvlab.engine.layers import PerRowLayer, masked_entries
 from kvlab.engine.compress import cache_stats, compress, held_tokens, rerotated
 from kvlab.engine.floors import dtype_floor, noise_floor, stepped
 from kvlab.engine.greedy import decode_groups, decode_references, greedy_decode
@@ -36,7 +36,7 @@ from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shal
 from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_samples
 
 __all__ = [
-    "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "Rows", "attention_layers", "cache_stats",
+    "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "PerRowLayer", "attention_layers", "cache_stats",
     "capture", "compress", "decode_path", "decoder_layers", "evaluate_sample", "greedy_decode",
     "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries",
     "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",

@@ -25,7 +25,7 @@ _FOLDED: ContextVar = ContextVar("kvlab_folded", default=None)  # masks folded f
 def reading(cache):
     """Let attention find the cache layer a forward pass reads, by the attention module's `layer_idx`: a layer
     whose update set `fused_step` is read from its codes (`sdpa_gqa`). Within the pass, a mask that several layers
-    share (`Batch.alike`) is folded for grouped heads once (`_grouped`)."""
+    share (`Batch.same_mask_as`) is folded for grouped heads once (`_grouped`)."""
     token, folded = _READING.set(cache), _FOLDED.set({})
     try:
         yield
@@ -76,11 +76,11 @@ def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
     if fused is not None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         rows, start = [], 0
-        for layer, k, v in fused:  # a layer per row, or one for rows stacked by Rows
+        for layer, k, v in fused:  # a layer per row, or one for rows stacked by PerRowLayer
             n = layer.keys.shape[0]
             rows.append(decode_attention.decode_attention(query[start : start + n, :, 0], layer, k, v, scale, fused=True))
             start += n
-        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one layer for all rows when Rows stacked them
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one layer for all rows when PerRowLayer stacked them
         return out.to(query.dtype)[:, None], None
     if attention_mask is not None and attention_mask.ndim == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]

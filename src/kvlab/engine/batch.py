@@ -1,5 +1,5 @@
 """Many single-row caches of one prompt as one batch: dense layers right-padded with per-layer masks (`Growing`),
-layers of quantized or self-evicting rows as `Rows` (kvlab.engine.layers)."""
+layers of quantized or self-evicting rows as `PerRowLayer` (kvlab.engine.layers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers.masking_utils import create_sliding_window_causal_mask
 
 from kvlab.engine.attention import per_layer_masks, query_hooks, reading
 from kvlab.engine.compress import held_tokens
-from kvlab.engine.layers import Growing, Rows, masked_entries, pad_tokens
+from kvlab.engine.layers import Growing, PerRowLayer, masked_entries, pad_tokens
 from kvlab.models.structure import is_sliding
 from kvlab.engine.prefill import KVCache, shallow_copy
 from kvlab.kernels import decode_attention, kvcache
@@ -29,7 +29,7 @@ def decode_path(cache: DynamicCache, device) -> str:
 
 def host_free_step(caches: list[DynamicCache], device) -> bool:
     """Whether a one-token step of these caches decoded as one batch waits for nothing on the host, so that a
-    CUDA graph can capture it: every layer that `Batch` keeps per row (`Rows`) is read by the decode kernel;
+    CUDA graph can capture it: every layer that `Batch` keeps per row (`PerRowLayer`) is read by the decode kernel;
     dense layers never wait. H2O, KVQuant's keys, transformers' quantized caches and the dequantizing path
     build per-row masks from host-side lengths."""
     return all(decode_attention.fused_rows(rows, device) for rows in zip(*(c.layers for c in caches))
@@ -40,7 +40,7 @@ def host_free_step(caches: list[DynamicCache], device) -> bool:
 class Batch:
     """Several single-row caches of the same prompt as one batched cache, each layer right-padded to its
     longest row; `lengths[layer][row]` is what that row really holds. Sliding layers are never compressed,
-    so they are equal across rows and need no padding. Layers where some row is quantized become `Rows`."""
+    so they are equal across rows and need no padding. Layers where some row is quantized become `PerRowLayer`."""
 
     def __init__(self, model, caches: list[DynamicCache]):
         self.model = model
@@ -57,7 +57,7 @@ class Batch:
             width = max(n)
             own = any(own_layout(r) for r in rows)
             if own:
-                self.cache.layers[idx] = Rows(rows)
+                self.cache.layers[idx] = PerRowLayer(rows)
             elif not isinstance(layer, DynamicSlidingWindowLayer):
                 self.cache.layers[idx] = Growing([pad_tokens(r.keys, width) for r in rows], [pad_tokens(r.values, width) for r in rows])
             else:  # a sliding-window layer keeps its own update (it drops what leaves the window)
@@ -66,13 +66,13 @@ class Batch:
             self.lengths.append(torch.tensor(n, device=model.device))
             self.padded.append(width)
             self.padded_rows.append(min(n) < width)  # dropping rows (keep) never adds padding
-            self.masked.append(None if own else masked_entries(rows, width))  # Rows mask their own rows
+            self.masked.append(None if own else masked_entries(rows, width))  # a PerRowLayer masks its own rows
         # position shift per row: re-rotated caches decode from their kept length, not the prompt's
         self.shift = torch.tensor([c.position_shift if isinstance(c, KVCache) else 0 for c in caches], device=model.device)
         self.fed = 0  # tail tokens appended since stacking
         self.rejected: torch.Tensor | None = None  # (B, fed) bool: tail entries of drafts a row did not accept (`reject`)
-        self.stepwise = any(isinstance(layer, Rows) for layer in self.cache.layers)
-        self._alike: list[int] | None = None  # see `alike`
+        self.stepwise = any(isinstance(layer, PerRowLayer) for layer in self.cache.layers)
+        self._same_mask: list[int] | None = None  # see `same_mask_as`
 
     @property
     def size(self) -> int:
@@ -80,7 +80,7 @@ class Batch:
 
     def splittable(self) -> bool:
         """Whether `split` can take the rows apart: no sliding-window layer (it keeps its own window)."""
-        return all(isinstance(layer, (Rows, Growing)) for layer in self.cache.layers)
+        return all(isinstance(layer, (PerRowLayer, Growing)) for layer in self.cache.layers)
 
     def split(self, rows: list[int] | None = None, fed: list[int] | None = None) -> list[DynamicCache]:
         """Each row as a cache of its own: what it held, then the tokens fed since stacking, without padding (a dense
@@ -98,8 +98,8 @@ class Batch:
         fed = [self.fed] * len(rows) if fed is None else fed
         if any(not 0 <= n <= self.fed for n in fed):
             raise ValueError(f"Batch.split: a row keeps 0 to {self.fed} of the tokens fed since stacking, not {fed}")
-        if any(n < self.fed for n in fed) and any(isinstance(layer, Rows) for layer in self.cache.layers):
-            raise ValueError("Batch.split: quantized or self-evicting rows (Rows) cannot keep fewer tokens than were fed")
+        if any(n < self.fed for n in fed) and any(isinstance(layer, PerRowLayer) for layer in self.cache.layers):
+            raise ValueError("Batch.split: quantized or self-evicting rows (PerRowLayer) cannot keep fewer tokens than were fed")
         out = []
         for _ in rows:
             cache = shallow_copy(self.cache)
@@ -107,7 +107,7 @@ class Batch:
                 cache.position_shift, cache.step_kv = 0, None
             out.append(cache)
         for idx, layer in enumerate(self.cache.layers):
-            if isinstance(layer, Rows):
+            if isinstance(layer, PerRowLayer):
                 every = layer.single_rows()
                 parts = [every[r] for r in rows]
             else:
@@ -135,7 +135,7 @@ class Batch:
         """Drop every other row (finished sequences stop costing compute)."""
         index = torch.tensor(rows, device=self.lengths[0].device)
         for idx, layer in enumerate(self.cache.layers):
-            if isinstance(layer, (Rows, Growing)):
+            if isinstance(layer, (PerRowLayer, Growing)):
                 layer.keep(rows)
             else:
                 layer.keys = layer.keys.index_select(0, index)
@@ -146,19 +146,19 @@ class Batch:
         self.shift = self.shift.index_select(0, index)
         if self.rejected is not None:
             self.rejected = self.rejected.index_select(0, index)
-        self._alike = None
+        self._same_mask = None
 
-    def speculable(self) -> bool:
+    def can_reject(self) -> bool:
         """Whether rows can be fed draft tokens and drop the ones they reject (`reject`): every layer is a dense
-        `Growing` one (rows of `Rows` cannot take back a token: quantized codes, H2O's evictions; a sliding window
+        `Growing` one (rows of `PerRowLayer` cannot take back a token: quantized codes, H2O's evictions; a sliding window
         drops what leaves it)."""
         return all(isinstance(layer, Growing) for layer in self.cache.layers)
 
     def reject(self, counts: list[int]) -> None:
         """After a pass, row r takes back the last `counts[r]` tokens it was fed (drafts it did not accept): they stay
         in storage, hidden from every later query, and the row's later tokens take the positions they held (`shift`).
-        Needs `speculable`."""
-        if not self.speculable():
+        Needs `can_reject`."""
+        if not self.can_reject():
             raise ValueError("Batch.reject: only dense rows (no quantized, self-evicting or sliding-window layer) take back tokens")
         if len(counts) != self.size or any(not 0 <= c <= self.fed for c in counts):
             raise ValueError(f"Batch.reject: one count per row ({self.size}), each 0 to {self.fed} tokens fed, not {counts}")
@@ -173,16 +173,16 @@ class Batch:
         self.rejected = dropped
         self.shift = self.shift - back
 
-    def alike(self) -> list[int]:
+    def same_mask_as(self) -> list[int]:
         """Per layer, the first layer whose `full_mask` is the same: the same rows' lengths and width, and no entries
         masked per head (layers that compressed alike: every layer of most presses). A pass builds one mask per
         distinct layout instead of one per layer."""
-        if self._alike is None:
+        if self._same_mask is None:
             first = {}
-            self._alike = [first.setdefault(idx if self.masked[idx] is not None else
-                                            (self.padded[idx], tuple(self.lengths[idx].tolist())), idx)
-                           for idx in range(len(self.padded))]
-        return self._alike
+            self._same_mask = [first.setdefault(idx if self.masked[idx] is not None else
+                                                (self.padded[idx], tuple(self.lengths[idx].tolist())), idx)
+                               for idx in range(len(self.padded))]
+        return self._same_mask
 
     @record_function("kvlab.masks")
     def full_mask(self, idx: int, n: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -213,18 +213,18 @@ class Batch:
         return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
     def streamable(self) -> bool:
-        """Whether `forward(..., stream=True)` can feed these rows (see `Rows.streamable`)."""
-        return all(layer.streamable() for layer in self.cache.layers if isinstance(layer, Rows))
+        """Whether `forward(..., stream=True)` can feed these rows (see `PerRowLayer.streamable`)."""
+        return all(layer.streamable() for layer in self.cache.layers if isinstance(layer, PerRowLayer))
 
     @torch.no_grad()
     @record_function("kvlab.forward")
     def forward(self, ids: torch.Tensor, start: int, logits_to_keep: int = 1, stream: bool = False) -> torch.Tensor:
         """Feed `ids` (B, n) at original positions start… (a re-rotated row: at its kept length, see `shift`);
-        return the last `logits_to_keep` logits. With `stream`, rows of `Rows` layers read the chunk exactly as if
+        return the last `logits_to_keep` logits. With `stream`, the rows of a `PerRowLayer` read the chunk exactly as if
         it were fed one token at a time (teacher forcing a known path in one pass; needs `streamable`); without
         it, a chunk attends to itself in full precision, as a prefill does."""
         model, n = self.model, ids.shape[1]
-        rows = [layer for layer in self.cache.layers if isinstance(layer, Rows)]
+        rows = [layer for layer in self.cache.layers if isinstance(layer, PerRowLayer)]
         if stream and not self.streamable():
             raise ValueError("stream=True: some row cannot be fed as if one token at a time (H2O, transformers' "
                              "quantized layers, stacked copies or incomplete sinks); feed it one token per call")
@@ -236,15 +236,15 @@ class Batch:
                 return layer.stream_mask(n, model.dtype, ids.device, heads)
             return None if layer.fused(n, ids.device) else layer.mask(n, model.dtype, ids.device, heads)
 
-        alike, made = self.alike(), {}
+        same, made = self.same_mask_as(), {}
 
         def dense_mask(idx):
-            if alike[idx] not in made:
-                made[alike[idx]] = self.full_mask(alike[idx], n, model.dtype)
-            return made[alike[idx]]
+            if same[idx] not in made:
+                made[same[idx]] = self.full_mask(same[idx], n, model.dtype)
+            return made[same[idx]]
 
         masks = {
-            idx: rows_mask(layer) if isinstance(layer, Rows) else dense_mask(idx)
+            idx: rows_mask(layer) if isinstance(layer, PerRowLayer) else dense_mask(idx)
             for idx, layer in enumerate(self.cache.layers) if not is_sliding(model, idx)
         }
         for layer in rows:

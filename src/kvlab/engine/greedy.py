@@ -49,7 +49,7 @@ def _greedy(batch: Batch, x: torch.Tensor, pos: int, caps: int | list[int], eos:
     batch then decodes with drafts (`_drafted`), unless logits are kept (they are one-token steps' by definition)."""
     caps = [caps] * batch.size if isinstance(caps, int) else caps
     kept = kept or {}
-    if seen is not None and not kept and batch.speculable():
+    if seen is not None and not kept and batch.can_reject():
         return _drafted(batch, x, pos, caps, eos, seen)
     out: list[list[int]] = [[] for _ in range(batch.size)]
     live = list(range(batch.size))  # batch row i decodes sequence live[i]

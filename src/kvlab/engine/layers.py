@@ -1,4 +1,4 @@
-"""A batch's layers (kvlab.engine.batch): `Rows`, one layer over per-row layers of any kind (quantized, H2O), and
+"""A batch's layers (kvlab.engine.batch): `PerRowLayer`, one layer over per-row layers of any kind (quantized, H2O), and
 `Growing`, a dense layer that appends in place; the entries each row's press masked per head (`masked_entries`)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def masked_entries(layers: list, width: int, sizes: list[int] | None = None) -> 
     return out
 
 
-class Rows(KVLayer):
+class PerRowLayer(KVLayer):
     """One batched cache layer over per-row layers of any kind (quantized or H2O layers cannot be
     concatenated, and an H2O row changes length at every step): each row's own layer is updated with its
     slice of the new tokens; its entries are laid out left-aligned, padding at the end, and `mask` hides the

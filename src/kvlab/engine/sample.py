@@ -134,8 +134,8 @@ def evaluate_samples(
         if on_rows is not None:
             on_rows(sum(len(made) for turn in turns for made in turn.rows))
         if waiting.held > most:
-            waiting.settle()
-    waiting.settle()
+            waiting.decode()
+    waiting.decode()
     _floors(model, pending, owner, noise_samples, other, other_samples)
     return rows
 
@@ -239,7 +239,7 @@ class Pending:
 
 class Waiting:
     """Verified turns whose diverged rows are not decoded yet (`evaluate_samples`), and the bytes their caches hold:
-    `settle` decodes every waiting turn's diverged rows at once, one batch per kind, then writes their answers into
+    `decode` decodes every waiting turn's diverged rows at once, one batch per kind, then writes their answers into
     the turns' rows (`TurnRows.answer`)."""
 
     def __init__(self, model):
@@ -248,7 +248,7 @@ class Waiting:
         self.held = 0
 
     def add(self, turns: list[TurnRows]) -> None:
-        """A sample's turns: those decoded row by row are answered now, the verified ones wait for `settle`."""
+        """A sample's turns: those decoded row by row are answered now, the verified ones wait for `decode`."""
         for turn in turns:
             if isinstance(turn.answers, Verified):
                 self.turns.append(turn)
@@ -256,7 +256,7 @@ class Waiting:
             else:
                 turn.answer()
 
-    def settle(self) -> None:
+    def decode(self) -> None:
         """Decode every waiting turn's diverged rows in one batch per kind, then write the turns' answers."""
         decode_diverged(self.model, [turn.answers for turn in self.turns])
         for turn in self.turns:
@@ -297,7 +297,7 @@ class Compression:
     """One prefilled base of a sample compressed by the variants that need one of its modes (the reference at `ref`),
     in waves (lists of variant indices, each with the reference: compressed, teacher-forced and decoded together, one
     wave's caches freed before the next is compressed): each variant's cache statistics and compression seconds (its
-    first wave's), and what each labelled turn gave each wave (`found`: turn -> [(wave, Turn)])."""
+    first wave's), and what each labelled turn gave each wave (`found`: turn -> [(wave, TurnResult)])."""
 
     key: str
     base: Prefilled
@@ -362,7 +362,7 @@ def _compressed(shared: Shared, pl: Plan, key: str, labelled: dict, full: FullAn
     return comp
 
 
-def _noise_request(comp: Compression, turn: Turn, turn_tail: list[int], logits) -> NoiseRequest | None:
+def _noise_request(comp: Compression, turn: TurnResult, turn_tail: list[int], logits) -> NoiseRequest | None:
     """A measured full row's noise-floor request (None where the turn has no KL path): a verified turn's measured at
     once from `logits`, the one-token steps its full answer's own decoding chose it from (`stepped_noise`: the reading
     the noise floor compares the one pass with); the others' stepped later (`noise_floor`)."""
@@ -377,7 +377,7 @@ def _noise_request(comp: Compression, turn: Turn, turn_tail: list[int], logits) 
 
 
 @dataclass
-class Turn:
+class TurnResult:
     """What one turn gives a wave's rows (`_turn`), or every wave's joined (`_joined`): answers (`run`, a verified
     turn's, else `decoded`), KL columns, the reference's log-probabilities and cache, the KL path, and seconds."""
 
@@ -391,7 +391,7 @@ class Turn:
     decode_s: float | None
 
 
-def _turn(shared: Shared, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], path: list[int] | None) -> Turn:
+def _turn(shared: Shared, pl: Plan, caches: list, ref: int, number: int, key: str, turn_tail: list[int], path: list[int] | None) -> TurnResult:
     """One turn on one wave's caches (the reference's at `ref`): verified along the full cache's answer `path`
     (diverged rows decoded later: with other samples', or, with several waves, at the wave's end), or, for prose,
     every row decoded and read along the sample's reference text."""
@@ -413,10 +413,10 @@ def _turn(shared: Shared, pl: Plan, caches: list, ref: int, number: int, key: st
             div, logp_ref, _ = forced_divergence(model, caches, turn_tail, p.reference, base.length, ref)
             path_read = p.reference
         tf_s = time.perf_counter() - t0
-    return Turn(run, decoded, div, logp_ref, caches[ref], path_read, tf_s, decode_s)
+    return TurnResult(run, decoded, div, logp_ref, caches[ref], path_read, tf_s, decode_s)
 
 
-def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
+def _joined(parts: list[tuple[list[int], TurnResult]], n: int) -> TurnResult:
     """The turns of a compression's waves as one: each variant's answer and KL from its wave (the reference's, and its
     log-probabilities, from the first), the seconds summed, the diverged rows renumbered among all `n` variants."""
     if len(parts) == 1 and parts[0][0] == list(range(n)):
@@ -434,8 +434,8 @@ def _joined(parts: list[tuple[list[int], Turn]], n: int) -> Turn:
                        [replace(d, rows=[wave[r] for r in d.rows]) for wave, t in parts for d in t.run.diverged])
     decoded = None if first.decoded is None else [t.decoded[j] for t, j in pick]
     decode_s = None if first.decode_s is None else sum(t.decode_s for _, t in parts)
-    return Turn(run, decoded, [t.div[j] for t, j in pick], first.logp_ref, first.ref_cache, first.path,
-                sum(t.tf_s for _, t in parts), decode_s)
+    return TurnResult(run, decoded, [t.div[j] for t, j in pick], first.logp_ref, first.ref_cache, first.path,
+                      sum(t.tf_s for _, t in parts), decode_s)
 
 
 @dataclass
@@ -443,7 +443,7 @@ class TurnRows:
     """One turn's rows, made when the turn is verified or decoded (`_turn_rows`): per variant, one row per question
     mode the turn labels. Their answer columns (gold, where the metric is agreement; prediction, score, decode seconds,
     new tokens, where each left the full answer) are written by `answer` once the answers are known: at once for a
-    turn decoded row by row, after `decode_diverged` settles a verified one (`Verified`: its decode seconds then
+    turn decoded row by row, after `decode_diverged` gives a verified one its diverged rows' answers (`Verified`: its decode seconds then
     include the diverged rows' share, beside `decode_s`, the full answer's share of the shared decoding)."""
 
     tokenizer: object
@@ -471,7 +471,7 @@ class TurnRows:
                 row.update(columns)
 
 
-def _turn_rows(shared: Shared, pl: Plan, comp: Compression, number: int, turn: Turn, reference_s: float,
+def _turn_rows(shared: Shared, pl: Plan, comp: Compression, number: int, turn: TurnResult, reference_s: float,
                request: NoiseRequest | None, pending: list[Pending] | None) -> TurnRows:
     """One turn's rows, every variant of the compression × the question modes the turn labels, their answer columns
     to come (`TurnRows.answer`); with `request`, the full row's `Pending` entry (its rows and the token ids before its

@@ -38,7 +38,7 @@ class Verified:
     """`verify`'s result: answers, each row's KL and NLL along the reference's answer (`divergence`'s columns),
     the reference row's log-probabilities there (len(path), V), first divergences, and the seconds spent decoding
     step by step and in the teacher-forced pass. From `verify`, `diverged` lists the rows still to decode (until
-    `settle`, their answers are the reference's, or a dense row's answer so far: up to the token it chose instead)."""
+    `set_decoded`, their answers are the reference's, or a dense row's answer so far: up to the token it chose instead)."""
 
     answers: list[list[int]]
     divergence: list[dict]
@@ -48,7 +48,7 @@ class Verified:
     teacher_forced_s: float
     diverged: list[Diverged] = field(default_factory=list)
 
-    def settle(self, decoded: list[list[list[int]]], seconds: float) -> None:
+    def set_decoded(self, decoded: list[list[list[int]]], seconds: float) -> None:
         """Set the diverged rows' answers (`decode_groups` of `diverged`' groups, in order) and add their seconds."""
         for part, rest in zip(self.diverged, decoded, strict=True):
             for i, answer in zip(part.rows, rest, strict=True):
@@ -88,7 +88,7 @@ def verify(
     ends its answer (EOS or the cap). Stepwise rows (quantized, H2O) cannot be cut back: they are fed the tail again,
     then quantized rows the answer up to where they left it in one pass read as if fed token by token (`Group`'s
     `streamed`), and decode from there, as one batch apart from dense rows (one quantized or H2O row would turn every
-    layer of a batch into per-row updates, `Rows`). The result holds each row's KL and NLL along the reference's answer and the
+    layer of a batch into per-row updates, `PerRowLayer`). The result holds each row's KL and NLL along the reference's answer and the
     reference's log-probabilities there (`forced_divergence`: the teacher-forced pass), and each row's first
     divergence from it (`first_divergence`; the reference's own value compares its parallel pass with its
     step-by-step decoding: a near-tie that flips there is numerical noise, and is kept as a row column). `path`:
@@ -136,7 +136,8 @@ def verify(
 def decode_diverged(model, runs: list[Verified]) -> None:
     """Decode the rows that left their reference's answer in these verified turns (of several samples): every dense
     group in one batch, every stepwise group in another (`decode_groups`: each step reads the weights once for all),
-    and settle each turn, its decode seconds the share of its rows in its kind's batch."""
+    and give each turn its decoded answers (`Verified.set_decoded`), its decode seconds the share of its rows in its
+    kind's batch."""
     parts = [(run, part) for run in runs for part in run.diverged]
     answers, seconds = {}, {}
     for kind in (False, True):
@@ -149,5 +150,5 @@ def decode_diverged(model, runs: list[Verified]) -> None:
         for (_, part), rest in zip(chosen, decoded):
             answers[id(part)], seconds[id(part)] = rest, each * len(part.rows)
     for run in runs:
-        run.settle([answers[id(part)] for part in run.diverged], sum(seconds[id(part)] for part in run.diverged))
+        run.set_decoded([answers[id(part)] for part in run.diverged], sum(seconds[id(part)] for part in run.diverged))
 

@@ -144,7 +144,7 @@ def graph_step(model, caches: list, tail: list[int], start: int, replays: int) -
 def throughput(model_dir, context_tokens: int, new_tokens: int, run: dict, out_path, batches: tuple[int, ...] = (1,)) -> pd.DataFrame:
     """Decode `new_tokens` after each variant's compressed cache (EOS ignored, so every variant decodes the
     same number of steps), at each batch size: the batch is that many copies of the one compressed cache,
-    decoded in lockstep (quantized copies are stacked into one layer, see ``engine.Rows``). One row per
+    decoded in lockstep (quantized copies are stacked into one layer, see ``engine.PerRowLayer``). One row per
     variant and batch; tokens/s counts every row's tokens. On CUDA also the step time with the host taken
     out (``graph_step``: one step replayed from a CUDA graph) where a step can be captured (dense caches and
     those the decode kernel reads, see ``engine.host_free_step``); NaN elsewhere."""

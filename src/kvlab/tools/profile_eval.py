@@ -77,7 +77,7 @@ OPERATORS = {
 
 # (M, K, N) of the engine's matmuls: a 1K prefill's MLP up and down, a teacher-forced batch's LM head (~4K token
 # rows, an eighth of Qwen's vocabulary), a batch-32 decode step's MLP
-SHAPES = ((1024, 896, 4864), (1024, 4864, 896), (4096, 896, 18992), (32, 896, 4864))
+MATMUL_SHAPES = ((1024, 896, 4864), (1024, 4864, 896), (4096, 896, 18992), (32, 896, 4864))
 
 
 def products(a: torch.Tensor, b: torch.Tensor) -> list:
@@ -91,11 +91,11 @@ def products(a: torch.Tensor, b: torch.Tensor) -> list:
 
 
 def peak_matmul_gflops(dtype: torch.dtype, repeats: int = 5) -> float:
-    """The best rate (GFLOP/s) of torch's matmuls at the engine's shapes (SHAPES) in `dtype`, plain and packed
+    """The best rate (GFLOP/s) of torch's matmuls at the engine's shapes (MATMUL_SHAPES) in `dtype`, plain and packed
     (`products`), with the threads torch has: what this CPU's matmul kernels reach, the roof a job's matmuls are
     measured against."""
     best = 0.0
-    for m, k, n in SHAPES:
+    for m, k, n in MATMUL_SHAPES:
         for job in products(torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)):
             job()  # warm-up: the first call picks a kernel
             t0 = time.perf_counter()
