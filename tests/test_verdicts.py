@@ -230,8 +230,8 @@ def test_a_pooled_cell_is_decided_on_its_jobs_not_printed_safe():
 
 
 def test_the_counts_quoted_in_the_docs_and_config_are_computed():
-    """The sample counts the docs (docs/statistics.md, docs/configuration.md) and config.yaml quote come from the
-    functions that decide."""
+    """The sample counts the docs (docs/statistics.md, docs/configuration.md, the current rule's in docs/benchmarks.md)
+    and config.yaml quote come from the functions that decide."""
     root = Path(__file__).resolve().parents[1]
     stats, config = (root / "docs" / "statistics.md").read_text(), (root / "config.yaml").read_text()
     configuration = (root / "docs" / "configuration.md").read_text()
@@ -243,6 +243,9 @@ def test_the_counts_quoted_in_the_docs_and_config_are_computed():
     assert f"A cell that loses no answer needs {lossless} samples" in stats and f"at most {worst} (an exact" in stats
     assert f"A lossless cell then runs to {stop} samples" in stats
     assert f"a KL near 0 is decided safe after {quiet_kl_samples(rule.kl_safe)} samples" in stats
+    benchmarks = " ".join((root / "docs" / "benchmarks.md").read_text().split())
+    assert f"a cell that loses no answer is safe at {lossless} samples" in benchmarks
+    assert f"A prose KL cell near 0 is decided at {quiet_kl_samples(rule.kl_safe)} samples" in benchmarks
     one_point = lossless_samples(1)
     assert f"since a cell that loses no answer needs {one_point}" in configuration and f"at n = {one_point}" in config
     assert f"a cell that loses no answer needs {one_point} samples" in stats
