@@ -44,7 +44,9 @@ def teacher_forced(
     to feeding it so). Caches that evict while decoding (H2O, see `own_layout`) and transformers' quantized
     caches, or every stepwise cache with `stream` false, are fed the path one token at a time. The engine itself
     needs only the KL and NLL of each row, and the reference row's log-probabilities: `forced_divergence`, which
-    keeps no (B, len(path), V) block."""
+    keeps no (B, len(path), V) block. This whole block is what the tests hold the engine to: `forced_divergence`
+    bitwise (tests/test_engine.py), and a streamed pass against `stream=False` (test_stream, test_block_sparse,
+    test_cross_layer)."""
     out = choice = None
     for group, pieces, _ in _forced_logits(model, caches, tail, path, start, stream):
         if out is None:
