@@ -6,7 +6,7 @@ from snakemake.exceptions import WorkflowError
 
 from kvlab.state.config import CALIBRATION_TABLES, ConfigError, check_device, dtype_floor_note, resolve
 from kvlab.state.jobs import run_params as job_params
-from kvlab.methods import build, for_task, uses_calibration
+from kvlab.methods import build, engines, for_task, uses_calibration
 from kvlab.state.runstate import drop_orphans, say
 from kvlab.tasks import inputs as task_inputs
 
@@ -32,8 +32,16 @@ wildcard_constraints:
 
 
 def eval_rows():
-    """One Parquet file per (model, task, context length)."""
-    return [f"results/eval/{model}/{task}/{ctx}.parquet" for model in EVALUATED for task, spec in config["tasks"].items() for ctx in spec["context_tokens"]]
+    """One Parquet file per (model, task, context length), and per serving engine of the methods (kvlab.methods.serving)
+    one more under the model `<model>@<engine>` for each task some of its methods run on (rule serve)."""
+    engine_tasks = {e: [t for t in config["tasks"] if any(m.kind.engine == e and m.runs_on(t) for m in METHODS.values())] for e in engines(METHODS)}
+    return [f"results/eval/{model}/{task}/{ctx}.parquet" for model in EVALUATED for task, spec in config["tasks"].items() for ctx in spec["context_tokens"]] + [
+        f"results/eval/{model}@{engine}/{task}/{ctx}.parquet"
+        for engine, names in engine_tasks.items()
+        for model in EVALUATED
+        for task in names
+        for ctx in config["tasks"][task]["context_tokens"]
+    ]
 
 
 def speed_rows():

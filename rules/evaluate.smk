@@ -40,3 +40,28 @@ rule evaluate:
         "../envs/model.yaml"
     script:
         "../workflow/evaluate.py"
+
+
+rule serve:
+    input:
+        model_dir="resources/models/{model}",
+        gguf="resources/gguf/{model}.gguf",
+        env=".venv-llamacpp/.installed",
+        rows=dataset_rows,
+    output:
+        rows="results/eval/{model}@llamacpp/{task}/{ctx}.parquet",
+    params:
+        task=lambda w: config["tasks"][w.task],
+        run=lambda w: run_params(w.task),
+    log:
+        "logs/serve/{model}@llamacpp/{task}/{ctx}.log",
+    benchmark:
+        "results/benchmarks/evaluate/{model}@llamacpp/{task}/{ctx}.tsv"
+    threads: config["threads"]
+    resources:
+        mem_mb=4000,  # the GGUF mapped once per cache type, the caches at the prompts' length
+        runtime=120,
+    conda:
+        "../envs/model.yaml"
+    script:
+        "../workflow/serve.py"

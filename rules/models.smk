@@ -15,3 +15,32 @@ rule acquire_model:
         "../envs/model.yaml"
     script:
         "../workflow/acquire_model.py"
+
+
+rule gguf:
+    output:
+        gguf="resources/gguf/{model}.gguf",
+    params:
+        spec=lambda w: config["models"][w.model],
+    log:
+        "logs/gguf/{model}.log",
+    localrule: True
+    resources:
+        mem_mb=1000,
+        runtime=10,
+    conda:
+        "../envs/model.yaml"
+    script:
+        "../workflow/gguf.py"
+
+
+rule llamacpp_env:
+    output:
+        ".venv-llamacpp/.installed",
+    log:
+        "logs/llamacpp_env.log",
+    localrule: True
+    resources:
+        runtime=60,
+    shell:
+        "make llamacpp-env > {log} 2>&1"

@@ -7,7 +7,8 @@ published, scoring at every decoding step), and the quantized caches ``quant`` (
 ``block_sparse`` (``kvlab.methods.block_sparse``: decode-time block selection over a cache kept whole) and
 ``cross_layer`` (``kvlab.methods.cross_layer``: layers reading an earlier layer's K/V, CLA post hoc) and
 ``prompt_compression`` (``kvlab.methods.prompt``: LLMLingua-style token dropping before the prompt is cached) and
-``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision). A
+``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision), and
+a serving engine's own cache, ``llamacpp`` (``kvlab.methods.serving``: llama.cpp's cache types, run by llama.cpp). A
 method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
 (a `MethodKind` declaring its parameters in its `Params`, from which kvlab.state.config makes the kind's branch of the
 config schema) and one line in `KINDS` (README "Extending kvlab").
@@ -30,9 +31,10 @@ from kvlab.methods.h2o import H2O
 from kvlab.methods.mikv import MiKV
 from kvlab.methods.prompt import PromptCompression
 from kvlab.methods.quantized import HFQuantized, Quant
+from kvlab.methods.serving import LlamaCpp
 
 KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Quant, HFQuantized, BlockSparse, CrossLayer, PromptCompression,
-                                                          MiKV)}
+                                                          MiKV, LlamaCpp)}
 
 
 def kind_of(entry: dict) -> MethodKind:
@@ -195,7 +197,15 @@ def for_task(methods: Mapping[str, Method], task: str | None) -> dict[str, Metho
     return {name: m for name, m in methods.items() if m.runs_on(task)}
 
 
-def variants(methods: Mapping[str, Method], budgets: list[float], task: str | None = None) -> list[Variant]:
+def variants(methods: Mapping[str, Method], budgets: list[float], task: str | None = None,
+             engine: str | None = None) -> list[Variant]:
     """Expand `methods` × `budgets` (methods that evict nothing run once, at budget 1.0); with `task`, only the
-    methods that run on it."""
-    return [v for m in for_task(methods, task).values() for v in m.variants(budgets)]
+    methods that run on it; those kvlab's engine runs (`engine` None), or the full reference and the methods of the
+    serving engine `engine` (kvlab.methods.serving)."""
+    return [v for m in for_task(methods, task).values() if m.kind.engine == engine or m.kind.name == "full"
+            for v in m.variants(budgets)]
+
+
+def engines(methods: Mapping[str, Method]) -> list[str]:
+    """The serving engines some of `methods` run on (kvlab.methods.serving), in config order."""
+    return list(dict.fromkeys(m.kind.engine for m in methods.values() if m.kind.engine is not None))

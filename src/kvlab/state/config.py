@@ -260,6 +260,7 @@ def _check_semantics(config: dict, where: str) -> None:
     if not any(m["evaluate"] for m in config["models"].values()):
         raise ConfigError(f"{where}: key 'models': no model has evaluate: true; at least one must be evaluated")
     _check_reads(config["report"], where)
+    _check_engines(config, where)
     unknown = [t for t in config["dtype_floor"]["tasks"] if t not in config["tasks"]]
     if unknown:
         raise ConfigError(f"{where}: key 'dtype_floor.tasks': no task {unknown[0]!r}; configured tasks: {', '.join(config['tasks'])}")
@@ -284,6 +285,24 @@ def _check_semantics(config: dict, where: str) -> None:
                         f"{where}: key 'tasks.{name}.context_tokens': {n} exceeds model '{model}' "
                         f"max_position_embeddings {limit}"
                     )
+
+
+def _check_engines(config: dict, where: str) -> None:
+    """Methods a serving engine runs (kvlab.methods.serving): on models it can load (a GGUF file, for llama.cpp),
+    and their kvlab twins methods kvlab's engine runs."""
+    for name, method in config["methods"].items():
+        kind = kind_of(method)
+        if kind.engine is None:
+            continue
+        twin = method.get("kvlab_twin")
+        if twin is not None and (twin not in config["methods"] or kind_of(config["methods"][twin]).engine is not None):
+            ours = [n for n, m in config["methods"].items() if kind_of(m).engine is None and m["kind"] != "full"]
+            raise ConfigError(f"{where}: key 'methods.{name}.kvlab_twin': {twin!r} is not a method kvlab's engine runs; one of: "
+                              f"{', '.join(ours) or 'none configured'}")
+        for model, spec in config["models"].items():
+            if spec["evaluate"] and spec["source"] != "pypi-gguf":
+                raise ConfigError(f"{where}: key 'methods.{name}': llama.cpp runs a model's GGUF file, and model {model!r} has "
+                                  f"source {spec['source']}; evaluate a pypi-gguf model or leave the method out")
 
 
 def _derive(config: dict) -> None:

@@ -26,4 +26,8 @@ EVAL_COLUMNS = {"ruler_task": "string", "noise_dtype": "string", "dtype_noise_kl
                 "dtype_noise_diverged_at": "Int64", "dtype_noise_s": "float64",
                 "draw": "Int64", "round": "Int64", "round_s": "float64", "max_samples": "Int64", "stopped_by": "string",
                 "kv_saturated_keys": "float64", "kv_saturated_values": "float64", "cut_tokens": "Int64",
-                "prefix_tokens": "Int64", "waves": "Int64", "dtype_floor_skipped": "string"}
+                "prefix_tokens": "Int64", "waves": "Int64", "dtype_floor_skipped": "string",
+                # a serving engine's rows (kvlab.steps.serve): the engine and its version, its cache's MiB for its cells
+                # as it reports them, the kvlab model the engine's model is, and the kvlab method simulating the row's
+                "engine": "string", "engine_kv_mib": "float64", "engine_kv_cells": "Int64", "kvlab_model": "string",
+                "kvlab_twin": "string"}

@@ -6,8 +6,8 @@ Adding a section: a module here and one line in SECTIONS.
 
 from kvlab.report.sections import (
     accuracy, agreement, allocation, bytes_measured, calibration, claims, composition, context_length, cost_article, cost_models, cost_reads, decision,
-    divergence, engine, eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, summary, tasks, throughput,
-    verdict_grid,
+    divergence, engine, eval_cost, eviction, kernels, lengths, models, posthoc, power, prompt, provenance, quant, ruler, serving, summary, tasks,
+    throughput, verdict_grid,
 )
 
 SECTIONS = [
@@ -16,6 +16,7 @@ SECTIONS = [
     claims,
     decision,
     agreement,
+    serving,
     allocation,
     power,
     accuracy,

@@ -1,0 +1,214 @@
+"""One serving-engine job: a model × a task × a context length through a serving engine's own KV caches
+(kvlab.methods.serving), every method of that engine beside the engine's default cache, on the prompts kvlab's
+evaluation job of the same model, task and length draws (the same token ids, the same sample ids).
+
+The rounds, checkpoints and stopping are those of kvlab's jobs (`kvlab.steps.evaluate.Evaluation`); what differs is
+who answers a batch: the engine, in its own environment (kvlab.engine.llamacpp, one process per batch). Rows carry
+the columns of kvlab's rows under the model ``<model>@<engine>``, whose full cache is the engine's default one (for
+llama.cpp: f16), so every query, verdict and report section reads them as it reads any model's. A serving engine's
+cache is the same whenever the question comes, so its rows are the agnostic question mode's alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from kvlab.methods import variants
+from kvlab.methods.base import NO_STORAGE
+from kvlab.methods.serving import LlamaCpp, token_bytes
+from kvlab.models.card import read_card
+from kvlab.state import resume
+from kvlab.steps.evaluate import Evaluation, Progress, check_lengths, draw_samples, summary
+from kvlab.tasks import max_new_tokens
+from kvlab.tasks.scoring import AGREEMENT, score
+from kvlab.util.io import write_parquet
+
+log = logging.getLogger(__name__)
+
+RUNNER = Path(__file__).resolve().parents[1] / "engine" / "llamacpp.py"  # run by the engine's python, not imported
+ENGINE_PYTHON = {"llamacpp": ".venv-llamacpp/bin/python"}  # `make llamacpp-env`; KVLAB_LLAMACPP_PYTHON overrides
+AT_ONCE = 16  # samples per engine process (each loads the model once per cache type)
+
+
+def engine_python(engine: str) -> str:
+    """The interpreter of the engine's own environment; one line naming the make target where it is missing."""
+    python = os.environ.get(f"KVLAB_{engine.upper()}_PYTHON", ENGINE_PYTHON[engine])
+    if not Path(python).exists():
+        raise FileNotFoundError(f"{python} not found: the {engine} environment is built by `make {engine}-env` "
+                                f"(or set KVLAB_{engine.upper()}_PYTHON to a python with llama-cpp-python)")
+    return python
+
+
+def cache_token_bytes(cache: dict) -> int:
+    """Bytes one token's K and V take in every layer of one of the engine's caches (ANSWERS' types and geometry)."""
+    return token_bytes((cache["type_k"], cache["type_v"]), cache["layers"], cache["kv_heads"], cache["head_dim"])
+
+
+@dataclass
+class Asked:
+    """One prompt the engine reads: a sample's turn (its token ids in full), its gold answers and its KL path (the
+    sample's reference text; None: the reference cache's own answer)."""
+
+    sample: object
+    number: int
+    ids: list[int]
+    gold: list[str]
+    path: list[int] | None
+    cap: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.sample.sample_id}#{self.number}"
+
+
+def turns(sample, cap: int) -> list[Asked]:
+    """A sample's turns as kvlab's engine asks them (kvlab.engine.sample.plan): the context, then the first question
+    and the suffix, each later turn's ids after the earlier turns'; prose is read along its reference text alone."""
+    p, out = sample.prompt, []
+    tail = p.question + p.suffix
+    for number, gold in enumerate([sample.gold] + [t.gold for t in p.followups], start=1):
+        if number > 1:
+            tail = tail + p.followups[number - 2].ids
+        path = p.reference if p.reference and number == 1 else None
+        out.append(Asked(sample, number, p.context + tail, gold, path, cap if sample.metric != "none" else 0))
+    return out
+
+
+@dataclass
+class Serving(Evaluation):
+    """A serving-engine job, ready to run (`Evaluation`'s rounds; no torch model: the engine answers each batch)."""
+
+    engine: str = "llamacpp"
+    gguf: str = ""
+    eos: tuple = ()
+
+    @classmethod
+    def start(cls, model_dir: str | Path, gguf: str | Path, task: str, task_spec: dict, context_tokens: int,
+              run: dict) -> Serving:
+        """Draw the samples and check, before any work, the engine's environment and the prompts' lengths."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        engine_python("llamacpp")
+        card = read_card(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        plan = run.get("sequential", {"max_samples": 0, "round": 1})
+        samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
+        grid = variants(run["methods"], run["budgets"], task, engine="llamacpp")
+        cap = max_new_tokens(task_spec, run["max_new_tokens"])
+        check_lengths(task, samples, cap, AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings)
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+        log.info("%s through llama.cpp: %d samples × %d cache types beside f16, then rounds up to %d samples", task, first,
+                 len(grid) - 1, len(samples))
+        key = resume.job_key("llamacpp", task, task_spec, context_tokens, {k: v for k, v in run.items() if k != "memory"}, card)
+        return cls(task=task, context_tokens=context_tokens, run=run, card=card, model=None, tokenizer=tokenizer, plan=plan,
+                   samples=samples, first=first, grid=grid, cap=cap, floor=None, floor_skipped=None, waves=None,
+                   at_once=AT_ONCE, key=key, gguf=str(gguf), eos=tuple(eos if isinstance(eos, list) else [eos]))
+
+    def batch(self, progress: Progress, start: int, chunk: list, active: list, t0: float) -> list[dict]:
+        """The rows of one batch of samples, answered by the engine in one process."""
+        asked = [t for s in chunk for t in turns(s, self.cap)]
+        caches = {v.method: (LlamaCpp.REFERENCE if v.kind == "full" else v.impl.types) for v in active}
+        reference = next(v.method for v in active if v.kind == "full")
+        answers = self.ask(asked, caches, reference)
+        draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
+        return [{**row, "draw": draw[t.sample.sample_id], "round": progress.round}
+                for t in asked for row in self.rows(t, active, answers, reference)]
+
+    def ask(self, asked: list[Asked], caches: dict, reference: str) -> dict:
+        """The engine's answers (kvlab.engine.llamacpp's ANSWERS) to `asked` with every cache, the byte figure checked."""
+        longest = max(len(t.ids) + max(t.cap, len(t.path or ())) for t in asked)
+        request = {"gguf": self.gguf, "threads": self.run["threads"], "n_ctx": 256 * math.ceil((longest + 1) / 256),
+                   "eos": list(self.eos), "reference": reference, "caches": {n: list(c) for n, c in caches.items()},
+                   "prompts": [{"id": t.key, "prompt": t.ids, "max_new_tokens": t.cap, "path": t.path, "continues": t.number > 1}
+                               for t in asked]}
+        with tempfile.TemporaryDirectory(prefix="kvlab-llamacpp-") as tmp:
+            (Path(tmp) / "request.json").write_text(json.dumps(request))
+            t0 = time.perf_counter()
+            with subprocess.Popen([engine_python("llamacpp"), str(RUNNER), f"{tmp}/request.json", f"{tmp}/answers.json"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as runner:
+                said = [""]
+                for line in runner.stdout:  # its progress, a line per prompt, into the job's log as it comes
+                    said.append(line.rstrip())
+                    log.info("llama.cpp: %s", said[-1])
+            if runner.returncode:
+                raise RuntimeError(f"llama.cpp's runner failed (exit {runner.returncode}): {said[-1] or '(no output)'}")
+            answers = json.loads((Path(tmp) / "answers.json").read_text())
+        log.info("llama.cpp %s: %d prompts × %d caches in %.1f s", answers["llama_cpp"], len(asked), len(caches),
+                 time.perf_counter() - t0)
+        for name, cache in answers["caches"].items():
+            formula = cache["kv_cells"] * cache_token_bytes(cache)
+            if abs(formula / 2**20 - cache["kv_mib_engine"]) > 0.005 + 1e-9:  # the log line's two decimals
+                raise RuntimeError(f"llama.cpp reports {cache['kv_mib_engine']} MiB for {cache['kv_cells']} cells of cache "
+                                   f"{name}, the block layout {formula / 2**20:.4f} MiB: kvlab.methods.serving's layout is wrong")
+        return answers
+
+    def rows(self, t: Asked, active: list, answers: dict, reference: str) -> list[dict]:
+        """One turn's rows, one per cache (the question mode agnostic: the cache is the same whenever it is asked)."""
+        context = len(t.sample.prompt.context)
+        ref_ids = answers["caches"][reference]["answers"][t.key]["ids"]
+        gold = [self.tokenizer.decode(ref_ids, skip_special_tokens=True)] if t.sample.metric in AGREEMENT else t.gold
+        out = []
+        for v in active:
+            cache = answers["caches"][v.method]
+            a = cache["answers"][t.key]
+            prediction = self.tokenizer.decode(a["ids"], skip_special_tokens=True)
+            token_bytes = cache_token_bytes(cache)
+            bf16 = 2 * cache["layers"] * cache["kv_heads"] * cache["head_dim"] * 2
+            kl = a["kl_vs_full"]
+            out.append({
+                **t.sample.row(), "method": v.method, "method_kind": v.kind, "press": None, "wrapper": None,
+                "press_kwargs": None, "layer_budgets": False, **(NO_STORAGE if v.kind == "full" else v.storage),
+                "budget": v.budget, "turn": t.number, "gold": list(gold), "compressed_tokens": context,
+                "prediction": prediction, "score": score(t.sample.metric, prediction, gold), "kv_bytes": context * token_bytes,
+                "kv_tokens_mean": float(context), "kv_bytes_formula": float(context * token_bytes),
+                "compression_vs_bf16": bf16 / token_bytes, "kl_vs_full": kl, "kl_max": a["kl_max"], "nll": a["nll"],
+                "ppl": math.exp(a["nll"]) if a["nll"] is not None else None, "tf_tokens": a["tf_tokens"],
+                "decode_s": a["decode_s"], "teacher_forced_s": a["teacher_forced_s"], "new_tokens": len(a["ids"]),
+                "diverged_at": a["diverged_at"], "decode_batch": 1, "waves": 1, "question_mode": "agnostic",
+                "engine": f"llama.cpp {answers['llama_cpp']}", "engine_kv_mib": cache["kv_mib_engine"],
+                "engine_kv_cells": cache["kv_cells"], "kvlab_model": self.card["name"],
+                "kvlab_twin": v.method if v.kind == "full" else v.params.get("kvlab_twin"),
+            })
+        return out
+
+    def frame(self, rows: list[dict], stopped_by: str) -> pd.DataFrame:
+        """The job's rows as written: under the model `<model>@llamacpp`, with the columns every row of the job shares."""
+        frame = pd.DataFrame(rows)
+        frame["max_samples"] = len(self.samples)
+        frame["stopped_by"] = stopped_by
+        frame.insert(0, "model", f"{self.card['name']}@{self.engine}")
+        frame["dtype"] = "float32"  # ggml's CPU matmuls: quantized weights, fp32 activations
+        frame["max_new_tokens"] = self.cap
+        frame["diverged_at"] = frame["diverged_at"].astype("Int64")
+        frame["device"] = f"{sys.platform} cpu (llama.cpp)"
+        return frame
+
+
+def run_serving_job(model_dir: str | Path, gguf: str | Path, task: str, task_spec: dict, context_tokens: int, run: dict,
+                    out_path: str | Path) -> pd.DataFrame:
+    """Answer the task's samples with every llama.cpp method of `run` and llama.cpp's f16 cache, in rounds as
+    kvlab's jobs run (`kvlab.steps.evaluate.run_job`); write the rows to `out_path` (Parquet)."""
+    from tqdm import tqdm
+
+    job = Serving.start(model_dir, gguf, task, task_spec, context_tokens, run)
+    progress = Progress.load(out_path, job.key)
+    t0 = time.perf_counter() - progress.elapsed
+    with tqdm(total=len(job.samples), initial=progress.next, desc=f"{job.card['name']}@llamacpp/{task}/{context_tokens}",
+              unit="sample", mininterval=0) as bar:
+        stopped_by = job.rounds(progress, out_path, bar, t0)
+    frame = job.frame(progress.rows, stopped_by)
+    log.info("done in %.1f s: %d rows; %s", time.perf_counter() - t0, len(frame), summary(frame))
+    write_parquet(frame, out_path)
+    resume.clear(out_path)
+    return frame
