@@ -4,8 +4,9 @@ dict of storage tensors whose dim 2 grows with tokens.
 :class:`AffineCodec` (KIVI INT2/4/8 on a ``channel`` or ``token`` axis, per-token INT8 and LMDeploy-style
 INT4/INT8), :class:`FP8Codec` (E4M3, static per-head scales from calibration or one dynamic per-tensor scale),
 :class:`GridKeyCodec` (KVQuant-style: pre-RoPE keys, per-channel calibrated range, non-uniform grid, optional
-per-vector sparse outliers). On CUDA the Triton kernels of ``triton_quant`` run; elsewhere the torch
-references of ``quant`` (equal codes).
+per-vector sparse outliers), :class:`GGMLCodec` (llama.cpp's KV cache types q8_0, q4_0, f16, Hadamard-rotated as
+llama.cpp does: ``kvlab.kernels.ggml``). On CUDA the Triton kernels of ``triton_quant`` run; elsewhere the torch
+references of ``quant`` (equal codes); the GGML codec is plain torch everywhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.kernels import quant
+from kvlab.kernels import ggml, quant
 
 
 def ops(x: torch.Tensor):
@@ -185,3 +186,41 @@ class GridKeyCodec(Codec):
             v = v.scatter(-1, s["outlier_index"].long(), s["outlier_value"].float())
         centre, half = self._affine(codes.device)
         return rotate(v * half + centre, cos[:, None].float(), sin[:, None].float())
+
+
+@dataclass
+class GGMLCodec(Codec):
+    """One of llama.cpp's KV cache types (``kvlab.kernels.ggml``): ``q8_0`` or ``q4_0`` blocks of 32 channels per
+    token and head, codes (B, H, T, D/32, 32 or 16) uint8 and one fp16 scale per block (B, H, T, D/32), or ``f16``
+    values (B, H, T, D). ``rotation``: n of the Hadamard rotation llama.cpp applies before quantizing (None: none):
+    encode rotates, decode rotates back (H_n / √n is its own inverse), so attention reads the tensor itself, which
+    is what llama.cpp's rotated queries against rotated keys, and its output rotated back, compute. ``rounding``:
+    q8_0's, as llama.cpp's x86 CPU backend writes the cache (``x86``) or as ggml's reference (``ref``)."""
+
+    ggml_type: str
+    rotation: int | None = None
+    rounding: str = "x86"
+    fp16_metadata = True  # fp16 scales (f16: the values themselves), the range check of quant.check_input
+
+    def __post_init__(self):
+        if self.ggml_type not in ggml.TYPES:
+            raise ValueError(f"ggml type must be one of {', '.join(ggml.TYPES)}, got {self.ggml_type!r}")
+        if self.rotation is not None and self.ggml_type not in ggml.QUANTIZED:
+            raise ValueError("llama.cpp rotates quantized cache types only")
+
+    def encode(self, x: torch.Tensor, cos=None, sin=None) -> dict[str, torch.Tensor]:
+        b, h, n, d = x.shape
+        v = x.float() if self.rotation is None else ggml.hadamard(x, self.rotation)
+        if self.ggml_type == "f16":
+            return {"codes": v.to(torch.float16)}
+        ggml.row_bytes(self.ggml_type, d)  # a head dim that blocks of 32 do not divide: one line
+        qs, scale = ggml.quantize(v.reshape(-1, ggml.QK), self.ggml_type, self.rounding)
+        return {"codes": qs.view(b, h, n, d // ggml.QK, -1), "scale": scale.view(b, h, n, d // ggml.QK)}
+
+    def decode(self, s: dict[str, torch.Tensor], shape, cos=None, sin=None) -> torch.Tensor:
+        codes = s["codes"]
+        if self.ggml_type == "f16":
+            v = codes.float()
+        else:
+            v = ggml.dequantize(codes.reshape(-1, codes.shape[-1]), s["scale"].reshape(-1), self.ggml_type).view(shape)
+        return v if self.rotation is None else ggml.hadamard(v, self.rotation)

@@ -355,7 +355,7 @@ BAD = [
     (("methods", "kivi4", "layer_budgets"), "calibrated", "preset 'default': key 'methods.kivi4.layer_budgets': applies to a press; add `press`"),
     (("methods", "pyramidkv", "layer_budgets"), "calibrated", "key 'methods.pyramidkv.layer_budgets': PyramidKVPress sets its own per-layer budgets"),
     (("methods", "snapkv", "layer_budgets"), "pyramid", "config: key 'methods.snapkv.layer_budgets': 'pyramid' must be 'calibrated'"),
-    (("methods", "kivi4", "scheme"), "kivi9", "config: key 'methods.kivi4.scheme': 'kivi9' is not allowed; allowed: fp8, int8, kivi, kvquant, lmdeploy"),
+    (("methods", "kivi4", "scheme"), "kivi9", "config: key 'methods.kivi4.scheme': 'kivi9' is not allowed; allowed: fp8, ggml, int8, kivi, kvquant, lmdeploy"),
     (("methods", "lmdeploy4", "bits"), 2, "preset 'default': key 'methods.lmdeploy4.bits': lmdeploy quantizes KV to 4 or 8 bits (quant_policy 4 / 8), got 2"),
     (("methods", "kivi4", "bits"), 3, "config: key 'methods.kivi4.bits': 3 is not allowed; allowed: 2, 4, 8"),
     (("methods", "kvquant4", "bits"), 8, "preset 'default': key 'methods.kvquant4.bits': kvquant uses the calibrated 2- or 4-bit grid, got 8"),
@@ -465,7 +465,7 @@ BAD = [
      "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, evidence, ruler, full"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, serving, evidence, ruler, full, long"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 

@@ -1,6 +1,6 @@
 """Quantized-cache kinds: config entries → per-layer cache layouts (``kvlab.kernels.kvcache``).
 
-``quant``         our caches, by `scheme` (``kvlab.methods.schemes``: fp8, int8, kivi, kvquant, lmdeploy),
+``quant``         our caches, by `scheme` (``kvlab.methods.schemes``: fp8, ggml, int8, kivi, kvquant, lmdeploy),
                   optionally composed with eviction (``press`` + ``kwargs``: evict first, then quantize what is
                   kept);
 ``hf_quantized``  transformers' QuantizedCache (quanto backend), the baseline users can reach today.
@@ -18,6 +18,9 @@ from kvlab.methods.schemes import SCHEMES
 from kvlab.util.params import param, shared
 
 
+GGML_KEYS = ("cache_type_k", "cache_type_v", "attn_rot")  # scheme ggml's own keys
+
+
 class Quant(MethodKind):
     """kvlab's quantized caches: packed codes inside generation, the storage of the entry's scheme."""
 
@@ -25,8 +28,9 @@ class Quant(MethodKind):
 
     @dataclass(kw_only=True)
     class Params(MethodParams):
-        scheme: str = param(doc="fp8 (E4M3) | int8 (per token) | kivi (per-channel keys, per-token values) | kvquant (pre-RoPE "
-                                "non-uniform keys) | lmdeploy (LMDeploy/TurboMind: per head and token, no residual)", enum=list(SCHEMES))
+        scheme: str = param(doc="fp8 (E4M3) | ggml (llama.cpp's q8_0/q4_0 cache types) | int8 (per token) | kivi (per-channel keys, "
+                                "per-token values) | kvquant (pre-RoPE non-uniform keys) | lmdeploy (LMDeploy/TurboMind: per head and token, "
+                                "no residual)", enum=list(SCHEMES))
         bits: Literal[2, 4, 8] = param(4, "code width of kivi (2, 4, 8), kvquant (2, 4) and lmdeploy (4, 8)")
         group: int = param(32, "G: tokens per key group and channels per value group", minimum=1, maximum=4096)
         residual: int | None = param(None, "R: newest tokens kept in full precision (default 32 for kivi and kvquant, 0 for fp8, "
@@ -45,6 +49,13 @@ class Quant(MethodKind):
         outliers: float = param(0.01, "kvquant: fraction of each key vector kept sparse in fp16 (at least one entry when > 0)",
                                 minimum=0, maximum=0.5)
         sink_tokens: int = param(1, "kvquant: first tokens kept in full precision", minimum=0, maximum=1024)
+        cache_type_k: Literal["f16", "q8_0", "q4_0"] | None = param(
+            None, "ggml: llama.cpp's K cache type (--cache-type-k): q8_0 or q4_0 blocks of 32 channels with an fp16 scale, "
+            "or f16 (the default)")
+        cache_type_v: Literal["f16", "q8_0", "q4_0"] | None = param(None, "ggml: llama.cpp's V cache type (--cache-type-v), as cache_type_k")
+        attn_rot: bool | None = param(
+            None, "ggml: rotate K and V by llama.cpp's Hadamard matrix before quantizing, where it does (a quantized type, head dim "
+            "a multiple of 64; the default); false: as LLAMA_ATTN_ROT_DISABLE=1")
         press: str | None = param(None, "optional kvpress press applied first (evict, then quantize what is kept), at every budget",
                                   pattern=PRESS_NAME)
         kwargs: dict = param({}, "keyword arguments of the press")
@@ -67,6 +78,8 @@ class Quant(MethodKind):
         if "max_saturated" in self.params and self.scheme.name != "fp8":
             return "max_saturated", (f"max_saturated applies to scheme fp8 only (scheme {self.scheme.name}'s min-max "
                                      "or grid range clamps nothing): remove it")
+        if self.scheme.name != "ggml" and (key := next((k for k in GGML_KEYS if k in self.params), None)):
+            return key, f"{key} applies to scheme ggml only (llama.cpp's cache types): remove it"
         return self.scheme.problem() or super().problem()
 
     def needs_calibration(self) -> bool:
