@@ -1,6 +1,7 @@
 """Config validation: defaults filled, presets applied, and each bad input stopped with one line."""
 
 import copy
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -465,7 +466,8 @@ BAD = [
      "preset 'default': key 'report.crossover.kv_schemes[1]': bad scheme 'int4'; accepted forms: 'bf16', 'fp8', 'int<bits>-g<group>-r<residual>'"),
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
-    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, serving, evidence, ruler, full, long"),
+    (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, "
+                          "serving, evidence, ruler, full, long"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 
@@ -557,10 +559,16 @@ def test_config_files_are_read_strictly(tmp_path, text, overlay, message):
 def test_null_is_fine_in_the_base_file_and_a_good_overlay_passes(tmp_path):
     from kvlab.state.config import check_config_files
 
-    (tmp_path / "config.yaml").write_text("methods:\n  x: null\n")
+    null = "methods:\n  x: null\n"
+    (tmp_path / "config.yaml").write_text(null)
     (tmp_path / "o.yaml").write_text("methods:\n  x: {kind: full}\n")
+    (tmp_path / "n.yaml").write_text(null)
     check_config_files(tmp_path / "config.yaml", [tmp_path / "o.yaml"])  # the schema words what null means there
-    check_config_files(tmp_path / "absent.yaml", [tmp_path / "o.yaml"])  # no base: the overlay is the config
+    check_config_files(tmp_path / "absent.yaml", [tmp_path / "o.yaml"])  # no base: the overlay is the config,
+    check_config_files(tmp_path / "absent.yaml", [tmp_path / "n.yaml"])  # so a null in it is a base's null
+    # the same null as an overlay of that base is refused: the files above pass for where the null is, not unread
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'n.yaml'))}:2:3: key 'methods.x' is null: "):
+        check_config_files(tmp_path / "config.yaml", [tmp_path / "n.yaml"])
 
 
 @pytest.mark.parametrize("text,message", [

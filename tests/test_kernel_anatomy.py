@@ -4,6 +4,7 @@ integer-to-float conversions, and registers and shared memory that let 4 program
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -28,11 +29,20 @@ def rows(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_int4_and_int2_loops_use_tensor_cores_and_no_int_to_float_conversion(rows):
+    """Per token of a tile, the loop the tool found loads the token's key and value codes and does both dots on
+    tensor cores. Every warp runs the loop's instructions, so with `num_warps` warps: a warp's global load moves at
+    most 32 threads x 16 bytes, and an mma.sync (HMMA.16816, the largest for 16-bit inputs; a 16-row dot takes no
+    warpgroup MMA) 16 x 8 x 16 multiply-adds, of the 2 x rows x head_dim per token of the scores' dot and the values'
+    (rows: the query heads per KV head, padded to the MMA's 16)."""
     assert list(rows.columns) == kernel_anatomy.COLUMNS[1:]
+    rep = inspect.signature(kernel_anatomy.compile_variant).parameters["rep"].default
+    block_rows = max(16, 1 << (rep - 1).bit_length())
     for fmt in ("int4", "int2"):
         row = rows.loc[fmt]
-        assert row.arch == "sm_90" and row.block_t == 128 and row.loop_instructions > 0
-        assert row.per_token_tensor_core > 0
+        bits = int(fmt.removeprefix("int"))
+        assert row.arch == "sm_90" and row.block_t == 128
+        assert row.per_token_global_memory * row.num_warps * 32 * 16 >= 2 * row.head_dim * bits / 8
+        assert row.per_token_tensor_core * row.num_warps * 16 * 8 * 16 >= 2 * block_rows * row.head_dim
         assert row.per_token_int_to_float == 0
         assert row.per_token == pytest.approx(row.loop_instructions / row.block_t)
 

@@ -33,7 +33,9 @@ def test_kept_tokens_are_snapkvs_in_full_precision_and_the_rest_are_codes(tiny):
         torch.testing.assert_close(_by_vector(layer.sink_values), _by_vector(evicted.values), rtol=0, atol=0)
         n = layer.counts()
         assert n["sink_tokens"] + n["quantized_keys"] + n["residual_keys"] == t  # no token dropped
-        assert n["quantized_keys"] > 0 and n["quantized_values"] > 0
+        # the evicted tokens as KIVI stores them: keys (per channel) in whole runs of R, values (per token) all but the newest R
+        evicted, r = t - kept, PARAMS["residual"]
+        assert (n["quantized_keys"], n["quantized_values"]) == (evicted // r * r, evicted - r)
     stats = cache_stats(mikv, Variant("mikv2", "mikv", 0.25, PARAMS), t)
     assert stats["kv_tokens_mean"] == t and stats["kv_bytes"] == stats["kv_bytes_formula"]
     layer = mikv.layers[0]
