@@ -16,7 +16,6 @@ import logging
 import math
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from kvlab.state import resume
 from kvlab.steps.evaluate import Evaluation, Progress, check_lengths, draw_samples, summary
 from kvlab.tasks import max_new_tokens
 from kvlab.tasks.scoring import AGREEMENT, score
+from kvlab.util.hardware import cpu_model
 from kvlab.util.io import write_parquet
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Serving(Evaluation):
         frame["dtype"] = "float32"  # ggml's CPU matmuls: quantized weights, fp32 activations
         frame["max_new_tokens"] = self.cap
         frame["diverged_at"] = frame["diverged_at"].astype("Int64")
-        frame["device"] = f"{sys.platform} cpu (llama.cpp)"
+        frame["device"] = f"{cpu_model()} (llama.cpp, {self.run['threads']} threads)"
         return frame
 
 

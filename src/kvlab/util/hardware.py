@@ -19,10 +19,10 @@ def device_name(device: str) -> str:
     cpu = torch.cpu
     bf16 = ("AMX" if getattr(cpu, "_is_amx_tile_supported", lambda: False)() else
             "AVX512-BF16" if getattr(cpu, "_is_avx512_bf16_supported", lambda: False)() else "no native bf16")
-    return f"cpu ({_cpu_model()}, {bf16}, {torch.get_num_threads()} threads)"
+    return f"cpu ({cpu_model()}, {bf16}, {torch.get_num_threads()} threads)"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else what the platform says."""
     try:
         with open("/proc/cpuinfo") as f:
