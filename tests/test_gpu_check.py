@@ -86,7 +86,20 @@ def test_dry_run_lists_its_stages_and_summarises_cpu_rows(tmp_path):
     assert "Qwen2.5-0.5B config, random weights" in out and "targets pass" in out
     assert "FAIL  end to end" in out  # no graph-step rows without CUDA
     (mem,) = pd.read_parquet(tmp_path / "memory.parquet").itertuples()
-    assert mem.rows == 2 * mem.variants == 14 and mem.waves >= 1 and mem.predicted_gb > 0
+    # the memory model's estimate of that sample, from what the dry run asks (`--layers 2` of Qwen2.5-0.5B's config, in
+    # its dtype, the long methods at 25%, both question modes' prefills, a 16-token cap teacher-forced to 17); the
+    # budget (a share of this machine's free memory, GBs) holds every variant of a 384-token, 2-layer sample in one wave
+    from transformers import AutoConfig
+
+    from kvlab.methods import build, variants
+    from kvlab.state.memory import GB, Row, Shape, estimate
+
+    grid = variants(build(gpu_check.LONG_METHODS), [0.25])
+    shape = Shape.from_config(AutoConfig.for_model("qwen2", **{**gpu_check.QWEN2_5_0_5B, "num_hidden_layers": 2}).to_dict())
+    ref = next(i for i, v in enumerate(grid) if v.kind == "full")
+    planned = estimate(shape, mem.dtype, mem.context_tokens, [Row.of(v) for v in grid], ref, compressions=2, path=17)
+    assert mem.rows == 2 * mem.variants == 2 * len(grid) == 14 and mem.waves == len(planned.waves) == 1
+    assert mem.predicted_gb == pytest.approx(planned.peak / GB)
     assert f"memory: {mem.model}, one {mem.context_tokens}-token sample, 7 variants" in out
 
 

@@ -3,6 +3,7 @@ writes; a checkpoint of another config or code version is never mixed in."""
 
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import pandas as pd
 import pytest
 from kvlab.state import resume
 from kvlab.steps.evaluate import run_job
-from kvlab.methods import build
+from kvlab.methods import build, variants
 from kvlab.models.card import read_card
 
 METHODS = {"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 16}},
@@ -70,7 +71,17 @@ def test_a_checkpoint_of_another_config_or_code_version_is_ignored(tmp_path, tin
     out = tmp_path / "rows.parquet"
     kill_after_first_checkpoint(tiny_dir, out)
     card = read_card(tiny_dir)
-    assert resume.load(out, resume.job_key("niah_single", NEEDLE, 384, RUN, card)) is not None
+    key = resume.job_key("niah_single", NEEDLE, 384, RUN, card)
+    saved = resume.load(out, key)
+    with open(resume.path_for(out), "rb") as f:
+        written = pickle.load(f)  # what the killed job wrote: under this job's key, the state `load` gives back
+    assert written["key"] == key and saved.keys() == written["state"].keys()
+    pd.testing.assert_frame_equal(pd.DataFrame(saved["rows"]), pd.DataFrame(written["state"]["rows"]))
+    assert {k: v for k, v in saved.items() if k != "rows"} == {k: v for k, v in written["state"].items() if k != "rows"}
+    # the rows of the samples before `next`, each with every variant in both question modes (a 1-point tolerance
+    # decides no cell, so none stops)
+    per_sample = len(variants(RUN["methods"], RUN["budgets"], "niah_single")) * len(RUN["question_modes"])
+    assert len(saved["rows"]) == saved["next"] * per_sample and {r["draw"] for r in saved["rows"]} == set(range(saved["next"]))
     with monkeypatch.context() as m:  # the same job under other code
         m.setattr(resume, "code_version", lambda: "another kvlab")
         assert resume.load(out, resume.job_key("niah_single", NEEDLE, 384, RUN, card)) is None

@@ -1,5 +1,6 @@
 """The evaluation speed tools: `dtype: auto`, the profile of one job and the A/B timing of one job."""
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -20,9 +21,9 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_multiplies_bf16_natively(monkeypa
     assert hardware.compute_dtype("float32", "cpu") == "float32"  # a forced dtype is kept
     assert hardware.compute_dtype("bfloat16", "cpu") == "bfloat16"
     kind = "AMX" if amx else "AVX512-BF16" if avx512 else "no native bf16"  # rows name the CPU and its bf16 kind
-    assert hardware.device_name("cpu") == f"cpu ({hardware._cpu_model()}, {kind}, {torch.get_num_threads()} threads)"
+    assert hardware.device_name("cpu") == f"cpu ({hardware.cpu_model()}, {kind}, {torch.get_num_threads()} threads)"
     if Path("/proc/cpuinfo").exists():
-        assert f"model name\t: {hardware._cpu_model()}" in Path("/proc/cpuinfo").read_text()
+        assert f"model name\t: {hardware.cpu_model()}" in Path("/proc/cpuinfo").read_text()
 
 
 def smoke_config(tmp_path, methods: list[str]) -> str:
@@ -56,17 +57,38 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     # noise floor read from that decoding's own steps, none stepped again (no noise_floor call)
     assert phases.loc["decode_reference", "calls"] == 1 and phases.loc["noise_floor", "calls"] == 0
     assert phases.loc["teacher_forced", "calls"] == 2
-    assert phases.loc["forward", "seconds"] > 0 and phases.loc["rows_update", "calls"] > 0  # quantized rows
+    # every pass of the model (a prefill, or a batched step: Batch.forward) runs attention once per layer; the passes
+    # that hold quantized or H2O rows update them once per layer
+    model = json.loads((tiny_dir / "config.json").read_text())
+    layers, passes = model["num_hidden_layers"], phases.loc["prefill", "calls"] + phases.loc["forward", "calls"]
+    assert phases.loc["attention", "calls"] == layers * passes
+    assert phases.loc["rows_update", "calls"] in range(layers, layers * phases.loc["forward", "calls"] + 1, layers)
     # the forward phase times the engine's batched passes (Batch.forward) whole: the masks they build and the
     # quantized rows' updates they run happen inside them and nowhere else (once it timed only `streamable`)
     inside = phases.loc["masks", "seconds"] + phases.loc["rows_update", "seconds"]
-    assert phases.loc["masks", "calls"] > 0 and phases.loc["forward", "seconds"] >= inside
+    assert phases.loc["masks", "calls"] > 0 and phases.loc["forward", "seconds"] >= inside > 0
     wall = out.set_index("name").loc["profiled_wall_s", "seconds"]
     assert (phases["seconds"] <= wall).all()
     ops = out[out["kind"] == "operator"]
-    assert ops.set_index("name").loc["matmul", "seconds"] > 0
     roof = out[out["kind"] == "roofline"].set_index("name")
-    assert roof.loc["matmul_gflop", "value"] > 0 and roof.loc["peak_matmul_gflops", "value"] > 0
+    # the matmul operators' self time is the time their rate is read over
+    assert ops.set_index("name").loc["matmul", "seconds"] == pytest.approx(roof.loc["matmul_gflops", "seconds"])
+    # every prompt token goes through every layer's projections at least once (2 flops per weight); the context's
+    # prefill attends causally: query i to i + 1 keys, 2 x (D_qk + D_v) flops a pair, in every query head and layer
+    from kvlab.tasks import generate
+    from kvlab.tools.bench_eval import job_settings
+    from transformers import AutoTokenizer
+
+    spec, _ = job_settings(Path(config), "niah_single", "smoke")
+    prompt = generate("niah_single", spec, AutoTokenizer.from_pretrained(tiny_dir), 512)[0].prompt
+    hidden, heads, kv_heads, dim = (model[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    weights = layers * (hidden * dim * (2 * heads + 2 * kv_heads) + 3 * hidden * model["intermediate_size"])
+    assert roof.loc["matmul_gflop", "value"] >= 2 * weights * prompt.tokens / 1e9
+    n = len(prompt.context)
+    causal_gflop = layers * heads * n * (n + 1) // 2 * 2 * (2 * dim) / 1e9
+    # each call at the slower of its flops at the peak and its bytes at the bandwidth: no less than either floor
+    assert roof.loc["roofline_floor_s", "seconds"] >= max(
+        roof.loc["matmul_floor_s", "seconds"], roof.loc["matmul_gbytes", "value"] / roof.loc["peak_bandwidth_gbs", "value"])
     # one sample, profiled whole: the job's flops counted by FlopCounterMode are the profiler's own count
     assert set(out["samples"]) == set(out["profiled_samples"]) == {1}
     rate = roof.loc["matmul_gflops"]  # the profiled sample's flops over their seconds, the packed linears' from shapes
@@ -78,7 +100,8 @@ def test_profile_splits_a_job_into_phases_and_operators(tiny_dir, tmp_path, monk
     assert roof.loc["wall_over_floor", "value"] == pytest.approx(wall["seconds"] / roof.loc["matmul_floor_s", "seconds"])
     assert roof.loc["wall_over_floor", "high"] == pytest.approx(wall["high"] / roof.loc["matmul_floor_s", "seconds"])
     # attention's products: counted in every layer's SDPA call, and added to the matmuls' floor
-    assert roof.loc["attention_gflop", "value"] > 0 and roof.loc["attention_gflop", "calls"] > 0
+    assert roof.loc["attention_gflop", "value"] >= causal_gflop
+    assert roof.loc["attention_gflop", "calls"] == phases.loc["attention", "calls"]  # one SDPA kernel per layer and pass
     assert roof.loc["matmul_attention_floor_s", "seconds"] == pytest.approx(
         (roof.loc["matmul_gflop", "value"] + roof.loc["attention_gflop", "value"]) / roof.loc["peak_matmul_gflops", "value"])
 
