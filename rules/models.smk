@@ -42,5 +42,7 @@ rule llamacpp_env:
     localrule: True
     resources:
         runtime=60,
+    conda:
+        "../envs/model.yaml"  # its python makes the engine's venv (kvlab.methods.serving); gcc and cmake build llama.cpp
     shell:
         "make llamacpp-env > {log} 2>&1"
