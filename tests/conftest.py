@@ -185,6 +185,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory) -> Path:
     work = workflow_copy(tmp_path_factory.mktemp("dag"))
-    proc = snakemake(work, "results/report.html", "--config", "preset=smoke")
+    # ~6 min on 2 idle cores; the other xdist worker's tests share those cores meanwhile
+    proc = snakemake(work, "results/report.html", "--config", "preset=smoke", timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return work
