@@ -121,6 +121,7 @@ def test_a_verdict_transfers_only_when_both_are_decided_alike():
     assert section.transfers("inconclusive", "safe") == "inconclusive" and section.transfers("safe", None) == "no kvlab twin"
     f = section.fidelity({"serving": serving}, Rule()).set_index("method")
     assert f.loc["q8", "agree_points"] == 100 and f.loc["q8", "agree_low"] > 95 and f.loc["q8", "differ"] == "within tolerance"
+    assert f.loc["q8", "agree_high"] == 100 and f.loc["q4", "agree_low"] == 0  # a share's bounds stay within 0-100
     assert f.loc["q4", "agree_points"] == 0 and f.loc["q4", "agree_high"] <= 100 - Rule().tolerance_points
     assert f.loc["q4", "differ"] == "beyond tolerance" and f.loc["q4", "samples"] == n
 

@@ -58,7 +58,9 @@ def fidelity(q: dict, rule: Rule) -> pd.DataFrame:
         per = g.groupby("sample_id", sort=False)["same_answer"].mean()  # a sample's turns together, in draw order
         b = drop_bounds(pd.Series(1.0, index=per.index).to_numpy(), per.to_numpy(), rule.tolerance_points)
         out.append({"engine_model": model, "method": method, "kvlab_twin": twin, "shape": shape,
-                    "agree_points": 100 - b.mean, "agree_low": 100 - b.high, "agree_high": 100 - b.low, "samples": b.n,
+                    # a share lies in [0, 100]: the bounds cut there (the sequence's range for a drop reaches below 0)
+                    "agree_points": 100 - b.mean, "agree_low": max(0.0, 100 - b.high), "agree_high": min(100.0, 100 - b.low),
+                    "samples": b.n,
                     "differ": DIFFER[b.decide(rule.tolerance_points)]})
     return pd.DataFrame(out)
 
