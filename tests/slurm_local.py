@@ -1,11 +1,14 @@
 """A real single-node SLURM cluster on localhost (Debian's slurm-wlm and munge), for the profile's integration test.
 
 `local_slurm(folder)` starts munged, slurmctld and slurmd as plain background processes bound to loopback, with
-every state, spool, log and socket file under `folder`, and stops them all on exit. It raises `Unavailable`
+every state and log file under `folder` and their sockets (munge's, slurmd's spool) in a short folder of their own
+under /tmp, and stops them all on exit. It raises `Unavailable`
 (with the reason) when this machine cannot host one: not root, packages missing, ports taken, or a
 `/etc/slurm/slurm.conf` that belongs to a real cluster.
 
 Settings that make a one-node cluster work here (measured on Debian slurm 22.05.8):
+- Sockets apart from `folder`: a Unix socket's path has at most 108 bytes, and slurmstepd's in the spool
+  (`localhost_<job>.4294967291`) passed that under pytest-xdist's longer temp paths, so every job was requeued.
 - `proctrack/linuxproc` and `task/none`: no cgroups needed; `select/cons_tres` with cores and memory as resources.
 - `NoCtldInAddrAny,NoInAddrAny`: daemons listen on loopback only.
 - `/etc/slurm/slurm.conf` must exist: the executor's jobstep plugin clears `SLURM_CONF` inside jobs.
@@ -23,6 +26,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +57,7 @@ def _check_machine() -> None:
                 raise Unavailable(f"port {port} on localhost is taken")
 
 
-def _conf(root: Path) -> str:
+def _conf(root: Path, sockets: Path) -> str:
     # Memory is a scheduling number only here (no cgroups enforce it): at least the largest request of a rule.
     mem_mb = max(int(int(Path("/proc/meminfo").read_text().split()[1]) / 1024 * 0.9), 16000)  # MemTotal, first line
     lines = [
@@ -65,7 +69,7 @@ def _conf(root: Path) -> str:
         "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
         "AuthType=auth/munge",
         "CredType=cred/munge",
-        f"AuthInfo=socket={root}/munge/munge.socket",
+        f"AuthInfo=socket={sockets}/munge/munge.socket",
         "SlurmUser=root",
         "SlurmdUser=root",
         "ProctrackType=proctrack/linuxproc",
@@ -79,7 +83,7 @@ def _conf(root: Path) -> str:
         "MinJobAge=3600",
         "SchedulerType=sched/backfill",
         f"StateSaveLocation={root}/state",
-        f"SlurmdSpoolDir={root}/spool",
+        f"SlurmdSpoolDir={sockets}/spool",
         f"SlurmctldPidFile={root}/slurmctld.pid",
         f"SlurmdPidFile={root}/slurmd.pid",
         f"SlurmctldLogFile={root}/slurmctld.log",
@@ -105,14 +109,17 @@ def local_slurm(folder: Path) -> Iterator[dict[str, str]]:
     """Start the cluster under `folder`; yields the environment for SLURM's clients (SLURM_CONF)."""
     _check_machine()
     root = Path(folder).resolve()
-    for sub, mode in (("munge", 0o755), ("munge-key", 0o700), ("state", 0o755), ("spool", 0o755)):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-        (root / sub).chmod(mode)  # munged refuses a key folder others can read and a socket folder others cannot
+    sockets = Path(tempfile.mkdtemp(prefix="kvlab-slurm-"))
+    sockets.chmod(0o755)
+    for where, sub, mode in ((sockets, "munge", 0o755), (root, "munge-key", 0o700), (root, "state", 0o755),
+                             (sockets, "spool", 0o755)):
+        (where / sub).mkdir(parents=True, exist_ok=True)
+        (where / sub).chmod(mode)  # munged refuses a key folder others can read and a socket folder others cannot
     key = root / "munge-key" / "munge.key"
     key.write_bytes(secrets.token_bytes(128))
     key.chmod(0o600)
     conf = root / "slurm.conf"
-    conf.write_text(_conf(root))
+    conf.write_text(_conf(root, sockets))
     env = {**os.environ, "SLURM_CONF": str(conf)}
     procs: list[subprocess.Popen] = []
     wrote_system_conf = False
@@ -120,10 +127,10 @@ def local_slurm(folder: Path) -> Iterator[dict[str, str]]:
         SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(conf, SYSTEM_CONF)
         wrote_system_conf = True
-        munge_socket = root / "munge" / "munge.socket"
+        munge_socket = sockets / "munge" / "munge.socket"
         procs.append(subprocess.Popen(
             ["munged", "--foreground", "--force", f"--key-file={key}", f"--socket={munge_socket}",
-             f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
+             f"--pid-file={sockets}/munge/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munged.seed"],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env))
         _wait("munged", munge_socket.exists, 20, [root / "munged.log"])
         procs.append(subprocess.Popen(["slurmctld", "-D", "-i", "-f", str(conf)], stdout=subprocess.DEVNULL,
@@ -149,6 +156,7 @@ def local_slurm(folder: Path) -> Iterator[dict[str, str]]:
                 proc.wait()
         if wrote_system_conf:
             SYSTEM_CONF.unlink(missing_ok=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def jobs(env: dict[str, str]) -> list[dict[str, str]]:
