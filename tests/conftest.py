@@ -173,6 +173,7 @@ def workflow_copy(work: Path) -> Path:
     return work
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the node ids
 def pytest_collection_modifyitems(config, items):
     """The tests that read the smoke run form the xdist group "smoke": under `--dist loadgroup` (make test) one worker
     makes the run once and runs them in order, while the other workers share out the rest of the suite (xdist sends the

@@ -4,6 +4,7 @@ it runs cost_table, collect and report on the smoke run's results with no model 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -137,3 +138,24 @@ def test_report_rules_run_in_their_env_without_the_model_packages(report_env, sm
         assert run.returncode == 0, f"{rule}: {run.stdout[-1000:]}{run.stderr[-3000:]}"
         assert (work / out).stat().st_size > 0, rule
     assert "42,949,672,960" in (work / "results" / "report.html").read_text()  # the cost table, recomputed
+
+
+def test_xdist_groups_keep_their_tests_on_one_worker(tmp_path):
+    """`make test`'s --dist loadgroup: tests of one xdist group (the smoke run's readers, tests/conftest.py) run on one
+    worker, so the smoke run is made once; it broke silently under pytest 9.2 (pyproject.toml's pin says why)."""
+    (tmp_path / "test_grouped.py").write_text(
+        "import os, pytest\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "@pytest.mark.xdist_group('g')\n"
+        "def test_in_group(i):\n"
+        "    with open(os.path.join(os.environ['GROUP_OUT'], f'ran{i}'), 'w') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'])\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_free(i):\n"
+        "    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_grouped.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "GROUP_OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    workers = {(tmp_path / f"ran{i}").read_text() for i in range(6)}
+    assert len(workers) == 1, f"the group's tests ran on workers {sorted(workers)}"
