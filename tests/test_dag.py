@@ -176,12 +176,14 @@ def test_evaluate_logs_show_progress_per_sample(smoke_run):
     assert (int(lines[-1][2]),) == rows  # the last sample's line counts every row the job wrote
 
 
+@pytest.mark.xdist_group("smoke")  # runs Snakemake in the smoke run's own folder (conftest.smoke_run)
 def test_second_run_has_nothing_to_do(smoke_run):
     proc = snakemake(smoke_run, "results/report.html", "--config", "preset=smoke", "-n")
     assert proc.returncode == 0
     assert "Nothing to be done" in proc.stdout + proc.stderr
 
 
+@pytest.mark.xdist_group("smoke")  # runs Snakemake in the smoke run's own folder (conftest.smoke_run)
 def test_default_preset_plans_the_whole_dag(smoke_run):
     proc = snakemake(smoke_run, "results/report.html", "-n", "--quiet", "rules")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -232,6 +234,7 @@ def test_a_preset_of_only_a_dataset_task_plans_no_speed_jobs(tmp_path):
     assert set(counts) == WORKLOAD_ONLY - {"workload"} and counts["evaluate"] == 1, counts
 
 
+@pytest.mark.xdist_group("smoke")  # runs Snakemake in the smoke run's own folder (conftest.smoke_run)
 def test_a_method_limited_to_one_task_reruns_only_that_task(smoke_run, tmp_path):
     """Evaluation jobs receive only the methods that run on their task: adding one for `recency` plans that
     evaluation alone (then collect and report)."""
