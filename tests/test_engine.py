@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from conftest import sharpened
 
-from kvlab.engine import Batch, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
+from kvlab.engine import Batch, Reading, cache_stats, compress, evaluate_sample, greedy_decode, prefill, teacher_forced
 from kvlab.methods import Variant, build, variants
 from kvlab.tasks import KINDS
 
@@ -814,12 +814,12 @@ def test_noise_floor_only_on_the_first_samples_asked(tiny, sharp):
     noise = ["noise_kl", "noise_kl_max", "noise_diverged_at", "noise_s"]
     timing = ["prefill_s", "compress_s", "decode_s", "teacher_forced_s"]
     every = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8))
-    first = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_samples=1))
+    first = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, Reading(noise_samples=1)))
     measured = first[first["noise_kl"].notna()]
     assert set(measured["sample_id"]) == {samples[0].row()["sample_id"]} and set(measured["method"]) == {"full"}
     assert every.loc[every["method"] == "full", "noise_kl"].notna().sum() == 2
     pd.testing.assert_frame_equal(first.drop(columns=timing + noise), every.drop(columns=timing + noise))
-    none = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, noise_samples=0))
+    none = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, ["agnostic"], 8, Reading(noise_samples=0)))
     assert none[noise].isna().all().all()
 
 
@@ -881,7 +881,7 @@ def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp)
     samples = KINDS["multi_turn"].generate("multi_turn", {"depths": [0.3, 0.7], "samples": 1, "seed": 4}, tokenizer, 600)
     modes = ["agnostic", "aware", "multi_turn"]
     columns = ["noise_dtype", "dtype_noise_kl", "dtype_noise_kl_max", "dtype_noise_diverged_at", "dtype_noise_s"]
-    same = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=sharp, other_samples=1))
+    same = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, Reading(noise_samples=0, other=sharp, other_samples=1)))
     measured = same[same["dtype_noise_kl"].notna()]
     assert set(measured["method"]) == {"full"} and set(measured["sample_id"]) == {samples[0].sample_id}
     assert sorted(zip(measured["question_mode"], measured["turn"])) == [("agnostic", 1), ("agnostic", 2), ("aware", 1), ("multi_turn", 2)]
@@ -889,7 +889,7 @@ def test_dtype_floor_reads_the_full_path_in_another_dtype(tiny, tiny_dir, sharp)
     assert set(measured["noise_dtype"]) == {"float32"}
     assert same.drop(measured.index)[columns].isna().all().all()
     half = sharpened(tiny_dir, torch.bfloat16)
-    other = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=0, other=half, other_samples=2))
+    other = pd.DataFrame(evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, Reading(noise_samples=0, other=half, other_samples=2)))
     full = other[other["method"] == "full"]
     assert full["dtype_noise_kl"].notna().all() and set(full["noise_dtype"]) == {"bfloat16"}
     assert (full["dtype_noise_kl"] > 1e-4).all() and (full["dtype_noise_kl"] <= full["dtype_noise_kl_max"]).all()

@@ -21,7 +21,7 @@ from conftest import snakemake
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {
     "model": {"acquire_model", "calibrate", "workload", "evaluate", "throughput", "engine_vs_pipeline", "decode_kernels", "gguf",
-              "serve", "llamacpp_env"},
+              "serve", "llamacpp_env", "vllm_env"},
     "report": {"cost_table", "collect", "report"},
 }
 

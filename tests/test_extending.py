@@ -250,7 +250,7 @@ def test_added_kinds_are_validated_by_the_schema_made_from_their_params(config_w
         (("methods", "sketchy"), {"kind": "sketch", "tag": "sk", "window": 4},
          "config: unknown key 'window' under 'methods.sketchy'; allowed: kind, per_budget, tag, tasks"),
         (("methods", "sketchy"), {"tag": "sk"}, "config: key 'methods.sketchy': missing 'kind' (required); one of: full, kvpress, h2o, "
-         "quant, hf_quantized, block_sparse, cross_layer, prompt_compression, mikv, llamacpp, sketch"),
+         "quant, hf_quantized, block_sparse, cross_layer, prompt_compression, mikv, llamacpp, vllm, sketch"),
         (("tasks", "echo"), {"kind": "echo", "context_tokens": [256], "words": 0}, "config: key 'tasks.echo.words': 0 must be >= 1"),
         (("tasks", "echo"), {"kind": "echo", "words": 3}, "config: key 'tasks.echo': missing required key 'context_tokens'"),
         (("tasks", "echo"), {"kind": "echo", "context_tokens": [256], "depths": [0.5]},

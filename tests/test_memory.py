@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kvlab.tools.compare_runs import VARYING
-from kvlab.engine import evaluate_samples
+from kvlab.engine import Reading, Scope, evaluate_samples
 from kvlab.methods import build, variants
 from kvlab.tasks import KINDS
 
@@ -53,8 +53,8 @@ def test_rows_in_waves_equal_rows_in_one_wave(tiny, sharp, size):
     samples = KINDS["multi_turn"].generate("multi_turn", spec, tokenizer, 400)
     grid = variants(build(METHODS), [0.25, 0.5])
     modes = ["agnostic", "aware", "multi_turn"]
-    one = evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=1)
-    split = evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, noise_samples=1, waves=in_waves(size))
+    one = evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, Reading(noise_samples=1))
+    split = evaluate_samples(sharp, tokenizer, samples, grid, modes, 8, Reading(noise_samples=1), Scope(waves=in_waves(size)))
     assert len(one) == len(split) > len(grid)
     assert {r["waves"] for r in one} == {1} and {r["waves"] for r in split} == {-(-(len(grid) - 1) // size)}
     for a, b in zip(one, split):

@@ -188,9 +188,10 @@ def floor_run(tiny_dir, tmp_path, monkeypatch, **extra):
         floors.append(weakref.ref(model))
         return model, tokenizer
 
-    def spied(*args, other=None, other_samples=None, **kwargs):
-        calls.append((other is not None, other_samples, [ref() is not None for ref in floors[1:]]))
-        return evaluate_samples(*args, other=other, other_samples=other_samples, **kwargs)
+    def spied(*args):
+        reading = args[6]
+        calls.append((reading.other is not None, reading.other_samples, [ref() is not None for ref in floors[1:]]))
+        return evaluate_samples(*args)
 
     monkeypatch.setattr(evaluate, "load_model", counted_load)
     monkeypatch.setattr(evaluate, "evaluate_samples", spied)

@@ -103,7 +103,7 @@ def test_the_job_decides_as_the_report_does(tmp_path, tiny_dir):
 def test_only_the_open_modes_are_compressed_and_decoded(tiny):
     """open_modes gives snapkv@0.5 only its aware cell: it has no agnostic rows, fp8 (no open cell) none at all, the
     full cache both modes, and snapkv's aware answers are those of the unrestricted run."""
-    from kvlab.engine import evaluate_samples
+    from kvlab.engine import Scope, evaluate_samples
     from kvlab.methods import variants
 
     model, tokenizer = tiny
@@ -111,7 +111,7 @@ def test_only_the_open_modes_are_compressed_and_decoded(tiny):
     grid = variants(build(METHODS), [0.5], "n")
     every = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4))
     some = pd.DataFrame(evaluate_samples(model, tokenizer, samples, grid, ["agnostic", "aware"], 4,
-                                         open_modes={("snapkv", 0.5): {"aware"}}))
+                                         scope=Scope(open_modes={("snapkv", 0.5): {"aware"}})))
     assert set(some.loc[some["method"] == "snapkv", "question_mode"]) == {"aware"}
     assert "fp8" not in set(some["method"]) and set(some.loc[some["method"] == "full", "question_mode"]) == {"agnostic", "aware"}
     keys = ["sample_id", "method", "question_mode", "turn"]

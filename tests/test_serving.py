@@ -9,15 +9,16 @@ import pytest
 import yaml
 
 from kvlab.methods import build, engines, variants
-from kvlab.methods.serving import LlamaCpp, row_bytes, token_bytes
+from kvlab.methods.serving import LlamaCpp, Vllm, row_bytes, token_bytes, vllm_token_bytes
 from kvlab.report.decision import Rule
 from kvlab.report.sections import serving as section
 from kvlab.state.config import ConfigError, resolve
-from kvlab.steps.serve import ENGINE_PYTHON, turns
+from kvlab.steps.serve import engine_python, turns
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = ROOT / "workflow" / "config.schema.yaml"
 LLAMA = {"kind": "llamacpp", "cache_type_k": "q4_0", "cache_type_v": "q8_0"}
+VLLM = {"kind": "vllm", "kv_cache_dtype": "fp8_e4m3"}
 
 
 @pytest.fixture
@@ -52,6 +53,77 @@ def test_llamacpp_needs_a_gguf_model(config):
     config["models"] = {"hubbed": {"source": "hub", "repo_id": "Qwen/Qwen2.5-0.5B-Instruct"}}
     with pytest.raises(ConfigError, match=r"model 'hubbed' has source hub; evaluate a pypi-gguf model or leave the method out"):
         resolve(config, SCHEMA)
+
+
+@pytest.mark.parametrize("fast,stops", [(False, True), (True, False)])
+def test_vllm_fp8_on_a_cpu_without_avx512_stops_before_any_job(config, monkeypatch, fast, stops):
+    """vLLM's own check (its CPU attention refuses an FP8 cache without AVX-512 or AMX), made at config time."""
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: fast)
+    config["methods"]["fp8_vllm"] = dict(VLLM)
+    if not stops:
+        assert resolve(config, SCHEMA)["methods"]["fp8_vllm"]["kv_cache_dtype"] == "fp8_e4m3"
+        return
+    with pytest.raises(ConfigError) as error:
+        resolve(config, SCHEMA)
+    said = str(error.value)
+    assert "\n" not in said and "methods.fp8_vllm" in said and "without AVX-512 or AMX" in said and "device: cuda" in said
+    config["device"] = "cuda"  # on a GPU vLLM's CUDA backends take FP8 (the GPU itself is checked before the first job)
+    assert resolve(config, SCHEMA)["methods"]["fp8_vllm"]["kind"] == "vllm"
+
+
+def test_the_serving_vllm_preset_stops_on_an_avx2_cpu_and_only_when_it_is_run(config, monkeypatch):
+    """Its FP8 caches are refused where this machine cannot run them, before any job; the other presets, which are
+    checked too, still run here."""
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: False)
+    with pytest.raises(ConfigError) as error:
+        resolve({**config, "preset": "serving_vllm"}, SCHEMA)
+    assert str(error.value).startswith("preset 'serving_vllm': key 'methods.vllm_fp8_e4m3': vLLM's CPU backend refuses")
+    assert resolve({**config, "preset": "serving"}, SCHEMA)["preset"] == "serving"
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: True)
+    out = resolve({**config, "preset": "serving_vllm"}, SCHEMA)
+    assert {m["kv_cache_dtype"] for m in out["methods"].values() if m["kind"] == "vllm"} == {"fp8_e4m3", "fp8_e5m2"}
+    assert out["methods"]["vllm_fp8_e4m3"]["kvlab_twin"] == "fp8" and set(out["tasks"]) == {"qa_mix", "chat_mix"}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_vllm_16_bit_caches_stop_on_the_cpu_and_run_on_a_gpu(config, monkeypatch, dtype):
+    """vLLM's CPU attention supports auto and FP8 caches only; it takes a 16-bit one without a word and reads it as the
+    model's float32 (answers garbage), so kvlab refuses it there, AVX-512 or not."""
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: True)
+    config["methods"]["half_vllm"] = {"kind": "vllm", "kv_cache_dtype": dtype}
+    with pytest.raises(ConfigError) as error:
+        resolve(config, SCHEMA)
+    said = str(error.value)
+    assert "\n" not in said and "methods.half_vllm" in said and f"no {dtype} KV cache" in said and "device: cuda" in said
+    config["methods"]["half_vllm"] = {"kind": "vllm", "kv_cache_dtype": "auto"}
+    assert resolve(config, SCHEMA)["methods"]["half_vllm"]["kv_cache_dtype"] == "auto"
+    config["device"] = "cuda"
+    config["methods"]["half_vllm"] = {"kind": "vllm", "kv_cache_dtype": dtype}
+    assert resolve(config, SCHEMA)["methods"]["half_vllm"]["kv_cache_dtype"] == dtype
+
+
+def test_vllm_needs_no_gguf_and_takes_only_its_dtypes(config, monkeypatch):
+    monkeypatch.setattr("kvlab.util.hardware.avx512_or_amx", lambda: True)
+    config["methods"]["v"] = dict(VLLM)
+    config["models"] = {"hubbed": {"source": "hub", "repo_id": "Qwen/Qwen2.5-0.5B-Instruct"}}
+    del config["presets"]["serving"], config["presets"]["serving_vllm"]  # their llama.cpp methods need a GGUF model
+    assert engines(build(resolve(config, SCHEMA)["methods"])) == ["vllm"]
+    config["methods"]["v"] = {"kind": "vllm", "kv_cache_dtype": "int3"}
+    with pytest.raises(ConfigError, match="methods.v.*int3"):
+        resolve(config, SCHEMA)
+
+
+def test_vllm_bytes_are_its_cache_specs():
+    """vLLM's page of a full-attention layer: block_size × kv_heads × head_size × 2 (K and V) × the dtype's bytes."""
+    assert vllm_token_bytes("fp8_e4m3", "bfloat16", 24, 2, 64) == 24 * 2 * 2 * 64
+    assert vllm_token_bytes("auto", "float32", 24, 2, 64) == 4 * vllm_token_bytes("fp8", "float32", 24, 2, 64)
+    assert vllm_token_bytes("bfloat16", "float32", 24, 2, 64) == 24 * 2 * 2 * 64 * 2
+    info = {"kv_cache_dtype": "fp8_e5m2", "dtype": "bfloat16", "layers": 24, "kv_heads": 2, "head_dim": 64}
+    Vllm.check_bytes("v", {**info, "token_bytes_engine": 6144})
+    with pytest.raises(RuntimeError, match="vLLM's cache spec gives 6145 bytes per token for cache v, kvlab's formula 6144"):
+        Vllm.check_bytes("v", {**info, "token_bytes_engine": 6145})
+    fp8 = Vllm({"kv_cache_dtype": "fp8_e4m3"}).storage
+    assert fp8["scheme"] == "vLLM fp8_e4m3" and fp8["bits"] == 8 and Vllm({"kv_cache_dtype": "auto"}).storage["bits"] is None
 
 
 def test_kvlab_jobs_and_engine_jobs_split_the_methods(config):
@@ -126,11 +198,16 @@ def test_a_verdict_transfers_only_when_both_are_decided_alike():
     assert f.loc["q4", "differ"] == "beyond tolerance" and f.loc["q4", "samples"] == n
 
 
-ENGINE = ROOT / ENGINE_PYTHON["llamacpp"]
+def has_env(engine: str) -> bool:
+    """Whether the engine's environment is built (`make <engine>-env`, or KVLAB_<ENGINE>_PYTHON set)."""
+    try:
+        return bool(engine_python(engine))
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(not ENGINE.exists(), reason="needs llama.cpp's environment (make llamacpp-env)")
+@pytest.mark.skipif(not has_env("llamacpp"), reason="needs llama.cpp's environment (make llamacpp-env)")
 def test_a_serving_job_answers_kvlabs_prompts_with_llamacpps_caches(qwen_dir, tmp_path):
     """The real engine on the real model: rows for llama.cpp's f16 (the full) and q8_0 caches on the samples kvlab's job
     draws; the f16 rows agree with themselves, the bytes are the block layout's, the answers are scored."""
@@ -145,7 +222,7 @@ def test_a_serving_job_answers_kvlabs_prompts_with_llamacpps_caches(qwen_dir, tm
     methods = build({"full": {"kind": "full"}, "q8": {"kind": "llamacpp", "cache_type_k": "q8_0", "cache_type_v": "q8_0"}})
     run = {"methods": methods, "budgets": [1.0], "question_modes": ["agnostic"], "max_new_tokens": 12, "threads": 2,
            "device": "cpu", "dtype": "float32"}
-    out = run_serving_job(qwen_dir, tmp_path / "q.gguf", "niah", spec, 256, run, tmp_path / "rows.parquet")
+    out = run_serving_job("llamacpp", qwen_dir, tmp_path / "q.gguf", "niah", spec, 256, run, tmp_path / "rows.parquet")
     assert set(out["model"]) == {"qwen2.5-0.5b@llamacpp"} and len(out) == 4
     full, q8 = out[out["method"] == "full"], out[out["method"] == "q8"]
     assert (full["kl_vs_full"] == 0).all() and full["diverged_at"].isna().all() and (full["compression_vs_bf16"] == 1).all()

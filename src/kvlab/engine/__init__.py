@@ -33,10 +33,10 @@ from kvlab.engine.teacher import first_divergence, forced_divergence, stepwise, 
 from kvlab.engine.verify import Diverged, Verified, decode_diverged, verify
 from kvlab.models.structure import attention_layers, decoder_layers, is_sliding, language_model, project, queries, stop_ids
 from kvlab.engine.prefill import LayerCapture, Prefilled, capture, prefill, shallow_copy
-from kvlab.engine.sample import QUESTION_MODES, evaluate_sample, evaluate_samples
+from kvlab.engine.sample import QUESTION_MODES, Reading, Scope, evaluate_sample, evaluate_samples
 
 __all__ = [
-    "ATTENTION", "QUESTION_MODES", "Batch", "LayerCapture", "Prefilled", "PerRowLayer", "attention_layers", "cache_stats",
+    "ATTENTION", "QUESTION_MODES", "Reading", "Scope", "Batch", "LayerCapture", "Prefilled", "PerRowLayer", "attention_layers", "cache_stats",
     "capture", "compress", "decode_path", "decoder_layers", "evaluate_sample", "greedy_decode",
     "held_tokens", "host_free_step", "is_sliding", "language_model", "masked_entries",
     "per_layer_masks", "prefill", "project", "queries", "query_hooks", "rerotated", "sdpa_gqa", "shallow_copy",

@@ -62,7 +62,7 @@ def restricted(module, query, key, mask):
 
 
 @record_function("kvlab.attention")
-def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+def sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, but grouped-query heads share their K/V inside the kernel even when a
     mask is given. transformers' own `sdpa` copies every cached K/V head to each query head it serves
     whenever there is a mask (a full copy of the cache per layer and step: 7x for Qwen2.5-0.5B), which is

@@ -11,7 +11,7 @@ REQUEST: {"gguf": path, "threads": int, "n_ctx": int, "eos": [the token ids an a
           "caches": {name: [type_k, type_v]},
           "prompts": [{"id": str, "prompt": [token ids], "max_new_tokens": int, "path": [token ids] or null,
                        "continues": whether it is a later turn of the prompt before it (its cells then reused)}]}
-ANSWERS: {"llama_cpp": version, "caches": {name: {"type_k", "type_v", "kv_mib_engine": the MiB llama.cpp's
+ANSWERS: {"engine": "llama.cpp <version>", "caches": {name: {"type_k", "type_v", "kv_mib_engine": the MiB llama.cpp's
           `llama_kv_cache` log line reports for its "kv_cells" cells (to two decimals), "layers", "kv_heads",
           "head_dim", "answers": {id: {"ids": generated ids, "diverged_at",
           "kl_vs_full", "kl_max", "nll", "tf_tokens", "decode_s", "teacher_forced_s"}}}}}
@@ -187,7 +187,7 @@ def run(request: dict) -> dict:
     caches = {name: Cache(llama_cpp, request, k, v, log) for name, (k, v) in request["caches"].items()}
     ref = caches[request["reference"]]
     others = {name: c for name, c in caches.items() if name != request["reference"]}
-    out = {"llama_cpp": llama_cpp.__version__, "caches": {name: {**c.info, "answers": {}} for name, c in caches.items()}}
+    out = {"engine": f"llama.cpp {llama_cpp.__version__}", "caches": {name: {**c.info, "answers": {}} for name, c in caches.items()}}
     for i, p in enumerate(request["prompts"], start=1):
         t0 = time.perf_counter()
         for name, answer in read_prompt(ref, others, p).items():

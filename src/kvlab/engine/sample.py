@@ -75,17 +75,47 @@ def plan(model, sample: Sample, modes: list[str]) -> Plan:
     return out
 
 
+@dataclass(frozen=True)
+class Reading:
+    """What `evaluate_samples` reads beside the answers: with `kl`, KL and NLL along each path; the noise floor on the
+    full rows of the first `noise_samples` samples (None: every sample); with `other` (the model loaded in another
+    compute dtype), the compute dtype's floor on the full rows of the first `other_samples` samples (None: every one)."""
+
+    kl: bool = True
+    noise_samples: int | None = None
+    other: object = None
+    other_samples: int | None = None
+
+    def noise(self, i: int) -> bool:
+        """Whether the noise floor is measured on sample `i`'s full rows."""
+        return self.noise_samples is None or i < self.noise_samples
+
+    def dtype(self, i: int) -> bool:
+        """Whether the compute dtype's floor is measured on sample `i`'s full rows."""
+        return self.other is not None and (self.other_samples is None or i < self.other_samples)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a job asks of `evaluate_samples` beyond its samples (kvlab.steps.evaluate): the modes each variant still
+    needs (`open_modes`: (method, budget) -> question modes; None: all), the memory waves (`waves`; None: one wave)
+    and a callback with the rows each sample adds (`on_rows`; None: none)."""
+
+    open_modes: dict | None = None
+    waves: object = None
+    on_rows: object = None
+
+
 def evaluate_sample(
     model, tokenizer, sample: Sample, variants: list[Variant], modes: list[str], max_new_tokens: int, kl: bool = True
 ):
     """Rows for one sample (see `evaluate_samples`)."""
-    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, kl)
+    return evaluate_samples(model, tokenizer, [sample], variants, modes, max_new_tokens, Reading(kl=kl))
 
 
 def evaluate_samples(
     model, tokenizer, samples: list[Sample], variants: list[Variant], modes: list[str], max_new_tokens: int,
-    kl: bool = True, noise_samples: int | None = None, other=None, other_samples: int | None = None,
-    open_modes: dict | None = None, on_rows=None, waves=None,
+    reading: Reading = Reading(), scope: Scope = Scope(),
 ):
     """Rows for several samples: every variant × question mode × turn, from one shared prefill per compression.
 
@@ -100,66 +130,59 @@ def evaluate_samples(
     `verify` gives every variant's answer from one teacher-forced pass along the full answer, but for the rows that
     leave it: those of every sample are decoded together at the end, one batch per kind (`verify.decode_diverged`,
     `Waiting`; at most `diverged_bytes` of their caches wait, kvlab.engine.tuning: beyond, the samples so far are
-    decoded then). With `kl`, KL and NLL come from that pass: along the sample's reference text if it has one, else
-    the full cache's own answer (so KL measures how far each method drifts from full). The seconds of the shared
+    decoded then). With `reading.kl`, KL and NLL come from that pass: along the sample's reference text if it has one,
+    else the full cache's own answer (so KL measures how far each method drifts from full). The seconds of the shared
     reference decoding are split evenly among its answers. The noise floor (`floors.noise_floor`) is measured on the
-    full rows of the first `noise_samples` samples (None: every sample): a verified turn's from the one-token steps
-    its full answer was decoded with (kept by `decode_references`, the reading the noise floor would step again), the
-    others' (a reference text's path) stepped together as one batch, their seconds split evenly among them (`Pending`,
-    `NoiseRequest`). With `other` (the model loaded in another compute dtype), the full rows of the first
-    `other_samples` samples (None: every sample) are also read by it (`floors.dtype_floor`): the noise floor of the
-    compute dtype. `open_modes` ((method, budget) -> question modes; None: all) names the modes each variant still
-    needs (kvlab.state.sequential): a variant is compressed and decoded only for the compressions that give one of its modes
-    (it still gets every row those compressions give). `on_rows`, if given, is called with the number of rows each
-    sample adds once its teacher-forced passes are done (its diverged rows' answers may still wait for the joint
-    decode; a job's progress lines). `waves`: how each compression's variants are split into waves that fit the job's
-    memory budget (`_compressed`; None: one wave).
+    full rows `reading` names: a verified turn's from the one-token steps its full answer was decoded with (kept by
+    `decode_references`, the reading the noise floor would step again), the others' (a reference text's path) stepped
+    together as one batch, their seconds split evenly among them (`Pending`, `NoiseRequest`); the compute dtype's
+    (`floors.dtype_floor`) by `reading.other`. `scope.open_modes` names the modes each variant still needs
+    (kvlab.state.sequential): a variant is compressed and decoded only for the compressions that give one of its modes
+    (it still gets every row those compressions give). `scope.on_rows`, if given, is called with the number of rows
+    each sample adds once its teacher-forced passes are done (its diverged rows' answers may still wait for the joint
+    decode; a job's progress lines). `scope.waves`: how each compression's variants are split into waves that fit the
+    job's memory budget (`_compressed`; None: one wave).
     """
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
     shared = Shared(model, tokenizer, variants, next(i for i, v in enumerate(variants) if v.kind == "full"), max_new_tokens,
-                    kl, open_modes, waves)
+                    reading.kl, scope.open_modes, scope.waves)
     plans = [plan(model, sample, modes) for sample in samples]
-    full = _full_answers(shared, plans, [kl and _measured(noise_samples, i) for i in range(len(plans))])
+    full = _full_answers(shared, plans, [reading.kl and reading.noise(i) for i in range(len(plans))])
     pending: list[Pending] = []  # the measured full rows' noise floors, filled in once every sample's rows are made
     owner: list[int] = []  # the sample of each entry of `pending`
     waiting, most, rows = Waiting(model), tuned(model.device).diverged_bytes, []
     for i, pl in enumerate(plans):
-        wanted_here = _measured(noise_samples, i) or (other is not None and _measured(other_samples, i))
+        wanted_here = reading.noise(i) or reading.dtype(i)
         before = len(pending)
         turns = _sample_rows(shared, pl, full[i], pending if wanted_here else None)
         owner += [i] * (len(pending) - before)
         rows += [row for turn in turns for made in turn.rows for row in made]
         waiting.add(turns)
-        if on_rows is not None:
-            on_rows(sum(len(made) for turn in turns for made in turn.rows))
+        if scope.on_rows is not None:
+            scope.on_rows(sum(len(made) for turn in turns for made in turn.rows))
         if waiting.held > most:
             waiting.decode()
     waiting.decode()
-    _floors(model, pending, owner, noise_samples, other, other_samples)
+    _floors(model, pending, owner, reading)
     return rows
 
 
-def _measured(limit: int | None, i: int) -> bool:
-    """Whether the job's sample `i` is among the first `limit` (None: every sample)."""
-    return limit is None or i < limit
-
-
-def _floors(model, pending: list[Pending], owner: list[int], noise_samples: int | None, other, other_samples: int | None) -> None:
-    """Fill in the noise floors of the pending full rows (`evaluate_samples`): of the first `noise_samples` samples,
-    a verified turn's from its reference's own decoding (measured in `_sample_rows`), the others' stepped together as
-    one batch; with `other`, the dtype floor of the first `other_samples` samples' full rows."""
-    chosen = [_measured(noise_samples, i) for i in owner]
+def _floors(model, pending: list[Pending], owner: list[int], reading: Reading) -> None:
+    """Fill in the noise floors of the pending full rows (`evaluate_samples`) of the samples `reading` names: a
+    verified turn's from its reference's own decoding (measured in `_sample_rows`), the others' stepped together as
+    one batch; with `reading.other`, the compute dtype's floor."""
+    chosen = [reading.noise(i) for i in owner]
     for entry, keep in zip(pending, chosen):
         if keep and entry.request.noise is not None:  # a verified turn's: measured from its reference's own decoding
             for row in entry.rows:
                 row.update(entry.request.noise)
     _fill(pending, [keep and entry.request.noise is None for entry, keep in zip(pending, chosen)],
           lambda todo: noise_floor(model, [entry.request.stepping() for entry in todo]), "noise_s")
-    if other is not None:
-        dtype = {"noise_dtype": str(next(other.parameters()).dtype).removeprefix("torch.")}
-        _fill(pending, [_measured(other_samples, i) for i in owner],
-              lambda todo: [{**f, **dtype} for f in dtype_floor(other, [(e.ids, e.request.path, e.request.logp_ref) for e in todo])],
+    if reading.other is not None:
+        dtype = {"noise_dtype": str(next(reading.other.parameters()).dtype).removeprefix("torch.")}
+        _fill(pending, [reading.dtype(i) for i in owner],
+              lambda todo: [{**f, **dtype} for f in dtype_floor(reading.other, [(e.ids, e.request.path, e.request.logp_ref) for e in todo])],
               "dtype_noise_s")
 
 

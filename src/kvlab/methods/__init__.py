@@ -8,7 +8,8 @@ published, scoring at every decoding step), and the quantized caches ``quant`` (
 ``cross_layer`` (``kvlab.methods.cross_layer``: layers reading an earlier layer's K/V, CLA post hoc) and
 ``prompt_compression`` (``kvlab.methods.prompt``: LLMLingua-style token dropping before the prompt is cached) and
 ``mikv`` (``kvlab.methods.mikv``: what a press would evict kept as low-bit codes, the rest in full precision), and
-a serving engine's own cache, ``llamacpp`` (``kvlab.methods.serving``: llama.cpp's cache types, run by llama.cpp). A
+a serving engine's own cache, ``llamacpp`` and ``vllm`` (``kvlab.methods.serving``: llama.cpp's cache types and
+vLLM's cache dtypes, each run by its engine). A
 method that evicts runs at every budget; one that does not runs once, at budget 1.0. A new kind: its module
 (a `MethodKind` declaring its parameters in its `Params`, from which kvlab.state.config makes the kind's branch of the
 config schema) and one line in `KINDS` (README "Extending kvlab").
@@ -31,10 +32,10 @@ from kvlab.methods.h2o import H2O
 from kvlab.methods.mikv import MiKV
 from kvlab.methods.prompt import PromptCompression
 from kvlab.methods.quantized import HFQuantized, Quant
-from kvlab.methods.serving import LlamaCpp
+from kvlab.methods.serving import LlamaCpp, Vllm
 
 KINDS: dict[str, type[MethodKind]] = {k.name: k for k in (Full, KVPress, H2O, Quant, HFQuantized, BlockSparse, CrossLayer, PromptCompression,
-                                                          MiKV, LlamaCpp)}
+                                                          MiKV, LlamaCpp, Vllm)}
 
 
 def kind_of(entry: dict) -> MethodKind:

@@ -88,6 +88,11 @@ class MethodKind:
         made here for every kind that takes one (`kvlab.methods.press.press_problem`)."""
         return press_problem(self.params) if "press" in self.params else None
 
+    def refusal(self, device: str) -> str | None:
+        """Why this machine cannot run the entry on `device`, and what would (one line; the selected preset's methods
+        are asked before any job, kvlab.state.config), or None; the base refuses none."""
+        return None
+
     def needs_calibration(self) -> bool:
         """Whether it reads the model's calibration tables (then `params['calibration']` is their folder)."""
         return False

@@ -73,7 +73,8 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
     """Return the validated config with the selected preset applied, its tasks made whole from `task_catalog` (which
     it leaves out: kvlab.state.overlay.select_tasks) and defaults filled.
 
-    Every preset is checked, not only the selected one, so a broken preset is found before it is used.
+    Every preset is checked, not only the selected one, so a broken preset is found before it is used; what this
+    machine can run (`_check_machine`) only for the selected one.
     """
     schema = load_schema(schema_path)
     base = copy.deepcopy(config)
@@ -99,6 +100,7 @@ def resolve(config: dict, schema_path: str | Path) -> dict:
         _derive(candidate)
         _check_semantics(candidate, where=f"preset '{pname}'")
         if pname == name:
+            _check_machine(candidate, where=f"preset '{pname}'")
             resolved = candidate
     resolved["presets"] = presets
     return resolved
@@ -287,9 +289,17 @@ def _check_semantics(config: dict, where: str) -> None:
                     )
 
 
+def _check_machine(config: dict, where: str) -> None:
+    """The serving engines' caches the configured device of this machine can run (vLLM's FP8 on the CPU: AVX-512 or
+    AMX; kvlab.methods.serving's `refusal`)."""
+    for name, method in config["methods"].items():
+        if refusal := kind_of(method).refusal(config["device"]):
+            raise ConfigError(f"{where}: key 'methods.{name}': {refusal}")
+
+
 def _check_engines(config: dict, where: str) -> None:
-    """Methods a serving engine runs (kvlab.methods.serving): on models it can load (a GGUF file, for llama.cpp),
-    and their kvlab twins methods kvlab's engine runs."""
+    """Methods a serving engine runs (kvlab.methods.serving): on models it can load (a GGUF file, for llama.cpp), and
+    their kvlab twins methods kvlab's engine runs."""
     for name, method in config["methods"].items():
         kind = kind_of(method)
         if kind.engine is None:
@@ -300,7 +310,7 @@ def _check_engines(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'methods.{name}.kvlab_twin': {twin!r} is not a method kvlab's engine runs; one of: "
                               f"{', '.join(ours) or 'none configured'}")
         for model, spec in config["models"].items():
-            if spec["evaluate"] and spec["source"] != "pypi-gguf":
+            if kind.engine == "llamacpp" and spec["evaluate"] and spec["source"] != "pypi-gguf":
                 raise ConfigError(f"{where}: key 'methods.{name}': llama.cpp runs a model's GGUF file, and model {model!r} has "
                                   f"source {spec['source']}; evaluate a pypi-gguf model or leave the method out")
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from kvlab.state import memory, resume
 from kvlab.state.memory import samples_at_once
-from kvlab.engine import evaluate_samples
+from kvlab.engine import Reading, Scope, evaluate_samples
 from kvlab.util.hardware import device_name, keep_freed_memory, other_dtype
 from kvlab.util.io import write_parquet
 from kvlab.kernels.accounting import KVGeometry
@@ -304,10 +304,10 @@ class Evaluation:
                            len(progress.rows) + count.rows, time.perf_counter() - t0)
 
         with heartbeat(line):
+            reading = Reading(noise_samples=noise_samples(self.run, start, len(self.samples)), other=other,
+                              other_samples=in_dtype)
             found = evaluate_samples(self.model, self.tokenizer, chunk, active, self.run["question_modes"], self.cap,
-                                     noise_samples=noise_samples(self.run, start, len(self.samples)), other=other,
-                                     other_samples=in_dtype, open_modes=progress.still, on_rows=count.finished,
-                                     waves=self.waves)
+                                     reading, Scope(open_modes=progress.still, waves=self.waves, on_rows=count.finished))
         draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
         return [{**r, "draw": draw[r["sample_id"]], "round": progress.round} for r in found]
 

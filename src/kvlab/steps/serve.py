@@ -3,10 +3,11 @@
 evaluation job of the same model, task and length draws (the same token ids, the same sample ids).
 
 The rounds, checkpoints and stopping are those of kvlab's jobs (`kvlab.steps.evaluate.Evaluation`); what differs is
-who answers a batch: the engine, in its own environment (kvlab.engine.llamacpp, one process per batch). Rows carry
-the columns of kvlab's rows under the model ``<model>@<engine>``, whose full cache is the engine's default one (for
-llama.cpp: f16), so every query, verdict and report section reads them as it reads any model's. A serving engine's
-cache is the same whenever the question comes, so its rows are the agnostic question mode's alone.
+who answers a batch: the engine, in its own environment (kvlab.engine.llamacpp or kvlab.engine.vllm_runner, one runner per
+batch, which reads a REQUEST file and writes an ANSWERS file). Rows carry the columns of kvlab's rows under the model
+``<model>@<engine>``, whose full cache is the engine's default one (llama.cpp: f16; vLLM: auto, the model's dtype),
+so every query, verdict and report section reads them as it reads any model's. A serving engine's cache is the same
+whenever the question comes, so its rows are the agnostic question mode's alone.
 """
 
 from __future__ import annotations
@@ -25,34 +26,35 @@ import pandas as pd
 
 from kvlab.methods import variants
 from kvlab.methods.base import NO_STORAGE
-from kvlab.methods.serving import LlamaCpp, token_bytes
+from kvlab.methods import KINDS
 from kvlab.models.card import read_card
 from kvlab.state import resume
 from kvlab.steps.evaluate import Evaluation, Progress, check_lengths, draw_samples, summary
 from kvlab.tasks import max_new_tokens
 from kvlab.tasks.scoring import AGREEMENT, score
-from kvlab.util.hardware import cpu_model
+from kvlab.util.hardware import cpu_model, device_name
 from kvlab.util.io import write_parquet
 
 log = logging.getLogger(__name__)
 
-RUNNER = Path(__file__).resolve().parents[1] / "engine" / "llamacpp.py"  # run by the engine's python, not imported
-ENGINE_PYTHON = {"llamacpp": ".venv-llamacpp/bin/python"}  # `make llamacpp-env`; KVLAB_LLAMACPP_PYTHON overrides
-AT_ONCE = 16  # samples per engine process (each loads the model once per cache type)
+ENGINES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}  # a serving engine's kind name: its name in logs and text
+RUNNERS = {"llamacpp": "llamacpp.py", "vllm": "vllm_runner.py"}  # in kvlab/engine/, each run by its engine's python
+AT_ONCE = 16  # samples per engine runner (each loads the model once per cache type)
+
+
+def runner(engine: str) -> Path:
+    """The engine's runner script (run by the engine's python, never imported here)."""
+    return Path(__file__).resolve().parents[1] / "engine" / RUNNERS[engine]
 
 
 def engine_python(engine: str) -> str:
-    """The interpreter of the engine's own environment; one line naming the make target where it is missing."""
-    python = os.environ.get(f"KVLAB_{engine.upper()}_PYTHON", ENGINE_PYTHON[engine])
+    """The interpreter of the engine's own environment (.venv-<engine>, `make <engine>-env`; KVLAB_<ENGINE>_PYTHON
+    overrides); one line naming the make target where it is missing."""
+    python = os.environ.get(f"KVLAB_{engine.upper()}_PYTHON", f".venv-{engine}/bin/python")
     if not Path(python).exists():
-        raise FileNotFoundError(f"{python} not found: the {engine} environment is built by `make {engine}-env` "
-                                f"(or set KVLAB_{engine.upper()}_PYTHON to a python with llama-cpp-python)")
+        raise FileNotFoundError(f"{python} not found: the {ENGINES[engine]} environment is built by `make {engine}-env` "
+                                f"(or set KVLAB_{engine.upper()}_PYTHON to a python with {ENGINES[engine]} installed)")
     return python
-
-
-def cache_token_bytes(cache: dict) -> int:
-    """Bytes one token's K and V take in every layer of one of the engine's caches (ANSWERS' types and geometry)."""
-    return token_bytes((cache["type_k"], cache["type_v"]), cache["layers"], cache["kv_heads"], cache["head_dim"])
 
 
 @dataclass
@@ -90,35 +92,37 @@ class Serving(Evaluation):
     """A serving-engine job, ready to run (`Evaluation`'s rounds; no torch model: the engine answers each batch)."""
 
     engine: str = "llamacpp"
-    gguf: str = ""
+    model_dir: str = ""
+    gguf: str | None = None
     eos: tuple = ()
 
     @classmethod
-    def start(cls, model_dir: str | Path, gguf: str | Path, task: str, task_spec: dict, context_tokens: int,
-              run: dict) -> Serving:
+    def start(cls, engine: str, model_dir: str | Path, gguf: str | Path | None, task: str, task_spec: dict,
+              context_tokens: int, run: dict) -> Serving:
         """Draw the samples and check, before any work, the engine's environment and the prompts' lengths."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        engine_python("llamacpp")
+        engine_python(engine)
         card = read_card(model_dir)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         plan = run.get("sequential", {"max_samples": 0, "round": 1})
         samples, first = draw_samples(task, task_spec, tokenizer, context_tokens, plan["max_samples"])
-        grid = variants(run["methods"], run["budgets"], task, engine="llamacpp")
+        grid = variants(run["methods"], run["budgets"], task, engine=engine)
         cap = max_new_tokens(task_spec, run["max_new_tokens"])
         check_lengths(task, samples, cap, AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-        log.info("%s through llama.cpp: %d samples × %d cache types beside f16, then rounds up to %d samples", task, first,
-                 len(grid) - 1, len(samples))
-        key = resume.job_key("llamacpp", task, task_spec, context_tokens, {k: v for k, v in run.items() if k != "memory"}, card)
+        log.info("%s through %s: %d samples × %d caches beside its default one, then rounds up to %d samples", task,
+                 ENGINES[engine], first, len(grid) - 1, len(samples))
+        key = resume.job_key(engine, task, task_spec, context_tokens, {k: v for k, v in run.items() if k != "memory"}, card)
         return cls(task=task, context_tokens=context_tokens, run=run, card=card, model=None, tokenizer=tokenizer, plan=plan,
                    samples=samples, first=first, grid=grid, cap=cap, floor=None, floor_skipped=None, waves=None,
-                   at_once=AT_ONCE, key=key, gguf=str(gguf), eos=tuple(eos if isinstance(eos, list) else [eos]))
+                   at_once=AT_ONCE, key=key, engine=engine, model_dir=str(model_dir), gguf=gguf and str(gguf),
+                   eos=tuple(eos if isinstance(eos, list) else [eos]))
 
     def batch(self, progress: Progress, start: int, chunk: list, active: list, t0: float) -> list[dict]:
         """The rows of one batch of samples, answered by the engine in one process."""
         asked = [t for s in chunk for t in turns(s, self.cap)]
-        caches = {v.method: (LlamaCpp.REFERENCE if v.kind == "full" else v.impl.types) for v in active}
+        caches = {v.method: (KINDS[self.engine].REFERENCE if v.kind == "full" else v.impl.cache) for v in active}
         reference = next(v.method for v in active if v.kind == "full")
         answers = self.ask(asked, caches, reference)
         draw = {s.sample_id: start + i for i, s in enumerate(chunk)}
@@ -126,32 +130,35 @@ class Serving(Evaluation):
                 for t in asked for row in self.rows(t, active, answers, reference)]
 
     def ask(self, asked: list[Asked], caches: dict, reference: str) -> dict:
-        """The engine's answers (kvlab.engine.llamacpp's ANSWERS) to `asked` with every cache, the byte figure checked."""
+        """The engine's answers (its runner's ANSWERS) to `asked` with every cache, the byte figure checked."""
         longest = max(len(t.ids) + max(t.cap, len(t.path or ())) for t in asked)
-        request = {"gguf": self.gguf, "threads": self.run["threads"], "n_ctx": 256 * math.ceil((longest + 1) / 256),
-                   "eos": list(self.eos), "reference": reference, "caches": {n: list(c) for n, c in caches.items()},
+        name = ENGINES[self.engine]
+        request = {"gguf": self.gguf, "model": self.model_dir, "dtype": self.dtype, "device": self.run["device"],
+                   "threads": self.run["threads"], "n_ctx": 256 * math.ceil((longest + 1) / 256), "eos": list(self.eos),
+                   "reference": reference, "caches": {n: (list(c) if isinstance(c, tuple) else c) for n, c in caches.items()},
                    "prompts": [{"id": t.key, "prompt": t.ids, "max_new_tokens": t.cap, "path": t.path, "continues": t.number > 1}
                                for t in asked]}
-        with tempfile.TemporaryDirectory(prefix="kvlab-llamacpp-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=f"kvlab-{self.engine}-") as tmp:
             (Path(tmp) / "request.json").write_text(json.dumps(request))
             t0 = time.perf_counter()
-            with subprocess.Popen([engine_python("llamacpp"), str(RUNNER), f"{tmp}/request.json", f"{tmp}/answers.json"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as runner:
+            command = [engine_python(self.engine), str(runner(self.engine)), f"{tmp}/request.json", f"{tmp}/answers.json"]
+            with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
                 said = [""]
-                for line in runner.stdout:  # its progress, a line per prompt, into the job's log as it comes
+                for line in process.stdout:  # its progress into the job's log as it comes
                     said.append(line.rstrip())
-                    log.info("llama.cpp: %s", said[-1])
-            if runner.returncode:
-                raise RuntimeError(f"llama.cpp's runner failed (exit {runner.returncode}): {said[-1] or '(no output)'}")
+                    log.info("%s: %s", name, said[-1])
+            if process.returncode:
+                raise RuntimeError(f"{name}'s runner failed (exit {process.returncode}): {said[-1] or '(no output)'}")
             answers = json.loads((Path(tmp) / "answers.json").read_text())
-        log.info("llama.cpp %s: %d prompts × %d caches in %.1f s", answers["llama_cpp"], len(asked), len(caches),
-                 time.perf_counter() - t0)
-        for name, cache in answers["caches"].items():
-            formula = cache["kv_cells"] * cache_token_bytes(cache)
-            if abs(formula / 2**20 - cache["kv_mib_engine"]) > 0.005 + 1e-9:  # the log line's two decimals
-                raise RuntimeError(f"llama.cpp reports {cache['kv_mib_engine']} MiB for {cache['kv_cells']} cells of cache "
-                                   f"{name}, the block layout {formula / 2**20:.4f} MiB: kvlab.methods.serving's layout is wrong")
+        log.info("%s: %d prompts × %d caches in %.1f s", answers["engine"], len(asked), len(caches), time.perf_counter() - t0)
+        for cache_name, cache in answers["caches"].items():
+            KINDS[self.engine].check_bytes(cache_name, cache)
         return answers
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the engine computes in: ggml's CPU matmuls are fp32 on quantized weights; vLLM runs the run's."""
+        return "float32" if self.engine == "llamacpp" else self.run["dtype"]
 
     def rows(self, t: Asked, active: list, answers: dict, reference: str) -> list[dict]:
         """One turn's rows, one per cache (the question mode agnostic: the cache is the same whenever it is asked)."""
@@ -163,7 +170,7 @@ class Serving(Evaluation):
             cache = answers["caches"][v.method]
             a = cache["answers"][t.key]
             prediction = self.tokenizer.decode(a["ids"], skip_special_tokens=True)
-            token_bytes = cache_token_bytes(cache)
+            token_bytes = KINDS[self.engine].cache_bytes(cache)
             bf16 = 2 * cache["layers"] * cache["kv_heads"] * cache["head_dim"] * 2
             kl = a["kl_vs_full"]
             out.append({
@@ -176,35 +183,36 @@ class Serving(Evaluation):
                 "ppl": math.exp(a["nll"]) if a["nll"] is not None else None, "tf_tokens": a["tf_tokens"],
                 "decode_s": a["decode_s"], "teacher_forced_s": a["teacher_forced_s"], "new_tokens": len(a["ids"]),
                 "diverged_at": a["diverged_at"], "decode_batch": 1, "waves": 1, "question_mode": "agnostic",
-                "engine": f"llama.cpp {answers['llama_cpp']}", "engine_kv_mib": cache["kv_mib_engine"],
+                "engine": answers["engine"], "engine_kv_mib": cache["kv_mib_engine"],
                 "engine_kv_cells": cache["kv_cells"], "kvlab_model": self.card["name"],
                 "kvlab_twin": v.method if v.kind == "full" else v.params.get("kvlab_twin"),
             })
         return out
 
     def frame(self, rows: list[dict], stopped_by: str) -> pd.DataFrame:
-        """The job's rows as written: under the model `<model>@llamacpp`, with the columns every row of the job shares."""
+        """The job's rows as written: under the model `<model>@<engine>`, with the columns every row of the job shares."""
         frame = pd.DataFrame(rows)
         frame["max_samples"] = len(self.samples)
         frame["stopped_by"] = stopped_by
         frame.insert(0, "model", f"{self.card['name']}@{self.engine}")
-        frame["dtype"] = "float32"  # ggml's CPU matmuls: quantized weights, fp32 activations
+        frame["dtype"] = self.dtype
         frame["max_new_tokens"] = self.cap
         frame["diverged_at"] = frame["diverged_at"].astype("Int64")
-        frame["device"] = f"{cpu_model()} (llama.cpp, {self.run['threads']} threads)"
+        where = cpu_model() if self.run["device"] == "cpu" else device_name(self.run["device"])
+        frame["device"] = f"{where} ({ENGINES[self.engine]}, {self.run['threads']} threads)"
         return frame
 
 
-def run_serving_job(model_dir: str | Path, gguf: str | Path, task: str, task_spec: dict, context_tokens: int, run: dict,
-                    out_path: str | Path) -> pd.DataFrame:
-    """Answer the task's samples with every llama.cpp method of `run` and llama.cpp's f16 cache, in rounds as
-    kvlab's jobs run (`kvlab.steps.evaluate.run_job`); write the rows to `out_path` (Parquet)."""
+def run_serving_job(engine: str, model_dir: str | Path, gguf: str | Path | None, task: str, task_spec: dict,
+                    context_tokens: int, run: dict, out_path: str | Path) -> pd.DataFrame:
+    """Answer the task's samples with every method of serving engine `engine` in `run` and the engine's default cache,
+    in rounds as kvlab's jobs run (`kvlab.steps.evaluate.run_job`); write the rows to `out_path` (Parquet)."""
     from tqdm import tqdm
 
-    job = Serving.start(model_dir, gguf, task, task_spec, context_tokens, run)
+    job = Serving.start(engine, model_dir, gguf, task, task_spec, context_tokens, run)
     progress = Progress.load(out_path, job.key)
     t0 = time.perf_counter() - progress.elapsed
-    with tqdm(total=len(job.samples), initial=progress.next, desc=f"{job.card['name']}@llamacpp/{task}/{context_tokens}",
+    with tqdm(total=len(job.samples), initial=progress.next, desc=f"{job.card['name']}@{engine}/{task}/{context_tokens}",
               unit="sample", mininterval=0) as bar:
         stopped_by = job.rounds(progress, out_path, bar, t0)
     frame = job.frame(progress.rows, stopped_by)

@@ -98,7 +98,7 @@ def memory(context: int, device: str, dtype: str, layers: int, share: float) -> 
     CPU, peak RSS is not tracked here: benchmarks/long_memory.py) beside the memory model's prediction. One row."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvlab.engine import ATTENTION, evaluate_samples
+    from kvlab.engine import ATTENTION, Reading, Scope, evaluate_samples
     from kvlab.util.hardware import device_name
     from kvlab.state.memory import GB, job_waves
     from kvlab.methods import build, variants
@@ -119,7 +119,8 @@ def memory(context: int, device: str, dtype: str, layers: int, share: float) -> 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    rows = evaluate_samples(model, tokenizer, [sample], grid, run["question_modes"], 16, noise_samples=1, waves=waves)
+    rows = evaluate_samples(model, tokenizer, [sample], grid, run["question_modes"], 16, Reading(noise_samples=1),
+                            Scope(waves=waves))
     wall = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() - loaded if device == "cuda" else math.nan
     return pd.DataFrame([{

@@ -57,7 +57,7 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.tools.bench_eval import apply_overrides, job_arguments, job_settings
-from kvlab.engine import evaluate_samples
+from kvlab.engine import Reading, evaluate_samples
 from kvlab.steps.evaluate import load_model, noise_samples, samples_at_once
 from kvlab.util.hardware import cpu_kind, device_name
 from kvlab.util.io import write_parquet
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         rows = []
         for start in range(0, len(todo), at_once):
             rows += evaluate_samples(model, tokenizer, todo[start : start + at_once], grid, run["question_modes"], max_new,
-                                     noise_samples=noise_samples(run, start, len(todo)))
+                                     Reading(noise_samples=noise_samples(run, start, len(todo))))
         return rows
 
     job(samples[:1])  # warm-up: first calls allocate and pick kernels

@@ -94,3 +94,10 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def avx512_or_amx() -> bool:
+    """Whether the CPU has AVX-512 or AMX tiles: torch's probes, the ones vLLM's CPU attention asks before it runs an
+    FP8 KV cache."""
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_supported", "_is_amx_tile_supported"))

@@ -1,4 +1,5 @@
-"""Your serving engine (issue 60): a serving engine's own KV caches (kvlab.methods.serving: llama.cpp's cache types)
+"""Your serving engine (issue 60): a serving engine's own KV caches (kvlab.methods.serving: llama.cpp's cache types,
+vLLM's cache dtypes)
 judged as every method is, against the engine's own default cache, and set beside kvlab's simulation of each (the
 method's kvlab_twin) on the same prompts: whether kvlab's verdict transfers to the engine, and the share of answers on
 which the two agree, with its anytime bounds."""
@@ -68,14 +69,15 @@ def fidelity(q: dict, rule: Rule) -> pd.DataFrame:
 def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
     v = verdicts(q, rule)
     if v.empty:
-        return ("<p>No method of this run is a serving engine's cache (kind llamacpp). Preset serving runs llama.cpp's "
-                "q8_0 and q4_0 caches on the shipped workload and traffic beside kvlab's simulations (README \"Your "
-                "serving engine\").</p>")
+        return ("<p>No method of this run is a serving engine's cache (kind llamacpp or vllm). Preset serving runs "
+                "llama.cpp's q8_0 and q4_0 caches on the shipped workload and traffic beside kvlab's simulations (README "
+                "\"Your serving engine\").</p>")
     engines = ", ".join(sorted(set(q["serving"]["engine"])))
     f = fidelity(q, rule)
     return (
-        f"<p>The engine's own KV caches ({esc(engines)}, on the same GGUF weights kvlab dequantized), judged as every "
-        "method is: each answer against the engine's default cache (f16, the model's <code>@llamacpp</code> full) on "
+        f"<p>The engine's own KV caches ({esc(engines)}; llama.cpp on the same GGUF weights kvlab dequantized, vLLM on "
+        "the model folder kvlab evaluates), judged as every method is: each answer against the engine's default cache "
+        "(llama.cpp's f16, the model's <code>@llamacpp</code> full; vLLM's auto, the model's <code>@vllm</code> full) on "
         "the prompts kvlab's jobs drew (the same token ids), in rounds under the same rule (drop in points with its "
         "anytime bounds, n samples, decision after e-BH). Beside each, its kvlab twin (the method's kvlab_twin) judged on "
         "kvlab's own model: <b>transfers</b> where both are decided alike, <b>does not transfer</b> where they are "
@@ -83,7 +85,7 @@ def body(q: dict[str, pd.DataFrame], rule: Rule) -> str:
         + table(v)
         + "<p>Prompt by prompt: the share of prompts on which the engine's answer equals its twin's (agree_points, with "
         "anytime bounds over the engine job's draw order; a sample's turns averaged). The full caches' row is the floor: "
-        "kvlab's fp32 reading of the dequantized weights and llama.cpp's quantized matmuls already differ there, so a "
+        "kvlab's engine and the serving engine's kernels (llama.cpp's quantized matmuls) already differ there, so a "
         "twin can agree with the engine no more often than the two full caches do. differ: the share that differ, "
         f"decided within or beyond the tolerance ({rule.tolerance_points:g} points).</p>"
         + (table(f) if not f.empty else "<p>No scored task: prose alone (the KL columns of the verdicts above).</p>")
