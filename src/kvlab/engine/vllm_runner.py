@@ -76,7 +76,7 @@ def answer_all(llm, request: dict) -> tuple[dict, float]:
 
     asked = [p for p in request["prompts"] if p["max_new_tokens"]]
     params = [SamplingParams(temperature=0.0, max_tokens=p["max_new_tokens"], stop_token_ids=request["eos"],
-                             skip_special_tokens=False) for p in asked]
+                             detokenize=False) for p in asked]  # token ids are the answer; kvlab decodes them
     t0 = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p["prompt"]) for p in asked], params, use_tqdm=False)
     ids = {p["id"]: list(o.outputs[0].token_ids) for p, o in zip(asked, outs)}
@@ -91,7 +91,8 @@ def score_all(llm, request: dict, paths: dict) -> tuple[dict, float]:
     asked = [p for p in request["prompts"] if paths[p["id"]]]
     prompts = [TokensPrompt(prompt_token_ids=p["prompt"] + paths[p["id"]]) for p in asked]
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=TOP), use_tqdm=False)
+    # detokenize=False: no text made for the TOP tokens of every prompt position (kvlab reads token ids only)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=TOP, detokenize=False), use_tqdm=False)
     scored = {}
     for p, o in zip(asked, outs):
         steps = o.prompt_logprobs[len(p["prompt"]) :]  # the predictions of the path's tokens
