@@ -6,7 +6,7 @@ from snakemake.exceptions import WorkflowError
 
 from kvlab.state.config import CALIBRATION_TABLES, ConfigError, check_device, dtype_floor_note, resolve
 from kvlab.state.jobs import run_params as job_params
-from kvlab.methods import build, engines, for_task, uses_calibration
+from kvlab.methods import KINDS, build, engines, for_task, uses_calibration
 from kvlab.state.runstate import drop_orphans, say
 from kvlab.tasks import inputs as task_inputs
 
@@ -17,6 +17,7 @@ except ConfigError as error:
 
 METHODS = build(config["methods"])  # typed once; the jobs receive these objects in their params
 MODELS = list(config["models"])
+SERVING_ENGINES = "|".join(k for k, kind in KINDS.items() if kind.engine is not None)  # rule serve's {engine}
 EVALUATED = [m for m, spec in config["models"].items() if spec["evaluate"]]  # the rest: acquired and calibrated
 TASKS = list(config["tasks"])
 # dataset tasks whose file a recipe writes (rule workload); a pattern that matches nothing when there are none
@@ -78,7 +79,7 @@ def serve_inputs(wildcards):
     """The inputs of a serving-engine job (of the serve rule): the engine's environment, the model folder, and for
     llama.cpp the model's GGUF file (vLLM reads the folder kvlab evaluates)."""
     inputs = {"model_dir": f"resources/models/{wildcards.model}", "env": f".venv-{wildcards.engine}/.installed"}
-    if wildcards.engine == "llamacpp":
+    if KINDS[wildcards.engine].reads_gguf:
         inputs["gguf"] = f"resources/gguf/{wildcards.model}.gguf"
     return inputs
 

@@ -56,7 +56,7 @@ rule serve:
     benchmark:
         "results/benchmarks/evaluate/{model}@{engine}/{task}/{ctx}.tsv"
     wildcard_constraints:
-        engine="llamacpp|vllm",
+        engine=SERVING_ENGINES,
     threads: config["threads"]
     resources:
         mem_mb=6000,  # llama.cpp: the GGUF mapped once per cache type; vLLM: one engine at a time, its 1 GiB CPU cache

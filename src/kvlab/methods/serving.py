@@ -5,8 +5,9 @@ with its default cache, the job's reference, and with the configured one. ``llam
 environment (`make llamacpp-env`, `make vllm-env`). Their rows are those of every method (kvlab.steps.serve), under a
 model of their own (``<model>@<engine>``: the engine's default cache is that model's full cache).
 
-A kind here (a `ServingKind`) says what its engine is asked (`cache`), what its engine's default cache is
-(`REFERENCE`), the bytes of a token in a cache the runner describes (`cache_bytes`) and the check of that formula
+A kind here (a `ServingKind`) says what its engine is called (`label`), which runner script runs it (`runner`),
+whether it reads the model's GGUF file (`reads_gguf`) and the dtype it computes in (`compute_dtype`), what it is asked
+(`cache`), what its default cache is (`REFERENCE`), the bytes of a token in a cache the runner describes (`cache_bytes`) and the check of that formula
 against the engine's own figure (`check_bytes`), and why a machine cannot run it (`refusal`, asked of the selected
 preset's methods before any job).
 """
@@ -44,7 +45,15 @@ class ServingKind(MethodKind):
     """A serving engine's cache (see the module's docstring)."""
 
     engine: ClassVar[str]
+    label: ClassVar[str]  # the engine's name in logs, rows and the report
+    runner: ClassVar[str]  # its runner script in kvlab/engine/, run by the engine's own python, never imported
+    reads_gguf: ClassVar[bool] = False  # the model's GGUF file (rule gguf); else the model folder kvlab evaluates
     REFERENCE: ClassVar[object]  # what the engine is asked for its default cache, the engine's own "full"
+
+    @staticmethod
+    def compute_dtype(run_dtype: str) -> str:
+        """The dtype the engine computes in, for a run of `run_dtype` (the rows' dtype column)."""
+        return run_dtype
 
     @property
     def cache(self) -> object:
@@ -68,6 +77,9 @@ class LlamaCpp(ServingKind):
 
     name = "llamacpp"
     engine: ClassVar[str] = "llamacpp"
+    label: ClassVar[str] = "llama.cpp"
+    runner: ClassVar[str] = "llamacpp.py"
+    reads_gguf: ClassVar[bool] = True
     REFERENCE: ClassVar[tuple[str, str]] = ("f16", "f16")  # llama.cpp's default cache: the engine's own "full"
 
     @dataclass(kw_only=True)
@@ -78,6 +90,10 @@ class LlamaCpp(ServingKind):
         kvlab_twin: str | None = param(
             None, "a kvlab method of this config that simulates this cache: the report compares their answers prompt by "
             "prompt (README \"Your serving engine\")", pattern=r"^[A-Za-z0-9_.\-]+$")
+
+    @staticmethod
+    def compute_dtype(run_dtype: str) -> str:
+        return "float32"  # ggml's CPU matmuls: quantized weights, fp32 activations
 
     @property
     def cache(self) -> list[str]:
@@ -109,12 +125,13 @@ class LlamaCpp(ServingKind):
 # layouts differ per backend and no machine of this project could run one to check kvlab's formula against.
 VLLM_DTYPES = {"auto": None, "float16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 VLLM_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def vllm_token_bytes(kv_cache_dtype: str, model_dtype: str, layers: int, heads: int, head_dim: int) -> int:
     """Bytes one token's K and V take in every layer of a vLLM cache of `kv_cache_dtype` (`auto`: the model's dtype)."""
-    size = VLLM_DTYPES[kv_cache_dtype] or DTYPE_BYTES[model_dtype]
+    import torch
+
+    size = VLLM_DTYPES[kv_cache_dtype] or getattr(torch, model_dtype).itemsize
     return layers * heads * 2 * head_dim * size
 
 
@@ -125,6 +142,8 @@ class Vllm(ServingKind):
 
     name = "vllm"
     engine: ClassVar[str] = "vllm"
+    label: ClassVar[str] = "vLLM"
+    runner: ClassVar[str] = "vllm_runner.py"  # not vllm.py, which would shadow the package it imports
     REFERENCE: ClassVar[str] = "auto"
 
     @dataclass(kw_only=True)

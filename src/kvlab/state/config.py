@@ -310,7 +310,7 @@ def _check_engines(config: dict, where: str) -> None:
             raise ConfigError(f"{where}: key 'methods.{name}.kvlab_twin': {twin!r} is not a method kvlab's engine runs; one of: "
                               f"{', '.join(ours) or 'none configured'}")
         for model, spec in config["models"].items():
-            if kind.engine == "llamacpp" and spec["evaluate"] and spec["source"] != "pypi-gguf":
+            if kind.reads_gguf and spec["evaluate"] and spec["source"] != "pypi-gguf":
                 raise ConfigError(f"{where}: key 'methods.{name}': llama.cpp runs a model's GGUF file, and model {model!r} has "
                                   f"source {spec['source']}; evaluate a pypi-gguf model or leave the method out")
 

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from kvlab.methods import variants
+from kvlab.methods import KINDS, variants
 from kvlab.methods.base import NO_STORAGE
-from kvlab.methods import KINDS
 from kvlab.models.card import read_card
 from kvlab.state import resume
 from kvlab.steps.evaluate import Evaluation, Progress, check_lengths, draw_samples, summary
@@ -37,14 +36,12 @@ from kvlab.util.io import write_parquet
 
 log = logging.getLogger(__name__)
 
-ENGINES = {"llamacpp": "llama.cpp", "vllm": "vLLM"}  # a serving engine's kind name: its name in logs and text
-RUNNERS = {"llamacpp": "llamacpp.py", "vllm": "vllm_runner.py"}  # in kvlab/engine/, each run by its engine's python
 AT_ONCE = 16  # samples per engine runner (each loads the model once per cache type)
 
 
 def runner(engine: str) -> Path:
     """The engine's runner script (run by the engine's python, never imported here)."""
-    return Path(__file__).resolve().parents[1] / "engine" / RUNNERS[engine]
+    return Path(__file__).resolve().parents[1] / "engine" / KINDS[engine].runner
 
 
 def engine_python(engine: str) -> str:
@@ -52,8 +49,9 @@ def engine_python(engine: str) -> str:
     overrides); one line naming the make target where it is missing."""
     python = os.environ.get(f"KVLAB_{engine.upper()}_PYTHON", f".venv-{engine}/bin/python")
     if not Path(python).exists():
-        raise FileNotFoundError(f"{python} not found: the {ENGINES[engine]} environment is built by `make {engine}-env` "
-                                f"(or set KVLAB_{engine.upper()}_PYTHON to a python with {ENGINES[engine]} installed)")
+        label = KINDS[engine].label
+        raise FileNotFoundError(f"{python} not found: the {label} environment is built by `make {engine}-env` "
+                                f"(or set KVLAB_{engine.upper()}_PYTHON to a python with {label} installed)")
     return python
 
 
@@ -112,7 +110,7 @@ class Serving(Evaluation):
         check_lengths(task, samples, cap, AutoConfig.from_pretrained(model_dir).get_text_config().max_position_embeddings)
         eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
         log.info("%s through %s: %d samples × %d caches beside its default one, then rounds up to %d samples", task,
-                 ENGINES[engine], first, len(grid) - 1, len(samples))
+                 KINDS[engine].label, first, len(grid) - 1, len(samples))
         key = resume.job_key(engine, task, task_spec, context_tokens, {k: v for k, v in run.items() if k != "memory"}, card)
         return cls(task=task, context_tokens=context_tokens, run=run, card=card, model=None, tokenizer=tokenizer, plan=plan,
                    samples=samples, first=first, grid=grid, cap=cap, floor=None, floor_skipped=None, waves=None,
@@ -132,10 +130,10 @@ class Serving(Evaluation):
     def ask(self, asked: list[Asked], caches: dict, reference: str) -> dict:
         """The engine's answers (its runner's ANSWERS) to `asked` with every cache, the byte figure checked."""
         longest = max(len(t.ids) + max(t.cap, len(t.path or ())) for t in asked)
-        name = ENGINES[self.engine]
+        name = KINDS[self.engine].label
         request = {"gguf": self.gguf, "model": self.model_dir, "dtype": self.dtype, "device": self.run["device"],
                    "threads": self.run["threads"], "n_ctx": 256 * math.ceil((longest + 1) / 256), "eos": list(self.eos),
-                   "reference": reference, "caches": {n: (list(c) if isinstance(c, tuple) else c) for n, c in caches.items()},
+                   "reference": reference, "caches": caches,
                    "prompts": [{"id": t.key, "prompt": t.ids, "max_new_tokens": t.cap, "path": t.path, "continues": t.number > 1}
                                for t in asked]}
         with tempfile.TemporaryDirectory(prefix=f"kvlab-{self.engine}-") as tmp:
@@ -157,8 +155,8 @@ class Serving(Evaluation):
 
     @property
     def dtype(self) -> str:
-        """The dtype the engine computes in: ggml's CPU matmuls are fp32 on quantized weights; vLLM runs the run's."""
-        return "float32" if self.engine == "llamacpp" else self.run["dtype"]
+        """The dtype the engine computes in (its kind's `compute_dtype`)."""
+        return KINDS[self.engine].compute_dtype(self.run["dtype"])
 
     def rows(self, t: Asked, active: list, answers: dict, reference: str) -> list[dict]:
         """One turn's rows, one per cache (the question mode agnostic: the cache is the same whenever it is asked)."""
@@ -199,7 +197,7 @@ class Serving(Evaluation):
         frame["max_new_tokens"] = self.cap
         frame["diverged_at"] = frame["diverged_at"].astype("Int64")
         where = cpu_model() if self.run["device"] == "cpu" else device_name(self.run["device"])
-        frame["device"] = f"{where} ({ENGINES[self.engine]}, {self.run['threads']} threads)"
+        frame["device"] = f"{where} ({KINDS[self.engine].label}, {self.run['threads']} threads)"
         return frame
 
 
