@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from kvlab.stats.anytime import ALPHA, ebh, sequence
+from kvlab.stats.anytime import ALPHA, HORIZON, ebh, sequence, wealth_at
 from kvlab.stats.intervals import drop_bounds, kl_bounds, mean_bounds
 
 TOLERANCE = 5.0  # points
@@ -177,6 +177,19 @@ def test_e_values_and_ebh():
     assert list(ebh([1000.0, 50.0, 30.0, 0.5])) == [True, True, True, False]
     assert list(ebh([100.0, 100.0, 100.0, 100.0])) == [True] * 4
     assert not ebh([19.0]).any() and ebh([20.0]).all()
+
+
+@pytest.mark.parametrize("x", [np.zeros(3), np.array([0.0, 1.0, 0.0, 0.0]), np.array([1.0, 0.0]),
+                               np.array([0.0, 0.25, -0.5] * 9), np.array([1.0, -1.0, 0.0] * 5), np.array([0.05, 0.05])])
+def test_more_is_the_first_crossing_over_the_whole_horizon(x):
+    """`more` (samples like these needed to decide) is where the leaning side's wealth at the threshold first
+    reaches 1/α when the samples repeat out to HORIZON: the cells that never cross (a mean on the threshold, an even
+    mix of gains and losses) give inf, the others the same count the whole horizon gives."""
+    n, level = len(x), np.log(1 / ALPHA)
+    up, down = wealth_at(np.tile(x, max(2, -(-HORIZON // n))), -1.0, 1.0, 0.05)
+    crossed = np.flatnonzero((up if x.mean() > 0.05 else down)[n:] >= level)
+    want = float(crossed[0] + 1) if len(crossed) else np.inf
+    assert sequence(x, -1.0, 1.0, 0.05).more == want
 
 
 @pytest.mark.parametrize("bad,match", [((np.array([0.5, 2.0]), -1.0, 1.0, 0.05), "must lie in"),

@@ -187,10 +187,20 @@ def _more(x: np.ndarray, lo: float, hi: float, threshold: float, neutral: float,
     """About how many more samples like these would decide the side they lean to: the samples repeated in the same
     order (as the wealth would meet them if the cell went on alike), run through the same stakes until that side's
     wealth at the threshold reaches the level; inf where it does not within HORIZON samples in all."""
-    n = len(x)
-    up, down = wealth_at(np.tile(x, max(2, -(-HORIZON // n))), lo, hi, threshold, alpha, neutral)
-    crossed = np.flatnonzero((up if x.mean() > threshold else down)[n:] >= math.log(1 / alpha))
-    return float(crossed[0] + 1) if len(crossed) else math.inf
+    n, upward = len(x), x.mean() > threshold
+    repeats, most = 2, max(2, -(-HORIZON // n))
+    # Every stake and wealth at sample t depends on samples 1..t only (cumulative sums, taken in order), so the wealth
+    # over k repeats is the first k·n values of the wealth over more: the repeats double until the side crosses or
+    # the horizon is reached, which gives the crossing the whole horizon gives (often 100x sooner).
+    while True:
+        repeats = min(repeats, most)
+        up, down = wealth_at(np.tile(x, repeats), lo, hi, threshold, alpha, neutral)
+        crossed = np.flatnonzero((up if upward else down)[n:] >= math.log(1 / alpha))
+        if len(crossed):
+            return float(crossed[0] + 1)
+        if repeats == most:
+            return math.inf
+        repeats *= 2
 
 
 def sequence(x, lo: float, hi: float, threshold: float, alpha: float = ALPHA, neutral: float = 0.0) -> Sequence:
