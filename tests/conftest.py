@@ -177,11 +177,12 @@ def workflow_copy(work: Path) -> Path:
 def smoke_run(tmp_path_factory) -> Path:
     """The smoke preset run to its report, once per test session (`once`): the first xdist worker to ask makes it, the
     other waits, then the tests that read it share out over both workers. They only read it or copy it (test_dag's
-    finished_copy); the few that run Snakemake in it (dry runs) share the xdist group "smoke", so they take turns."""
+    finished_copy); the few that run Snakemake in it (dry runs) share the xdist group "smoke", so they take turns.
+    Snakemake's generated job scripts stay in .snakemake/scripts (test_envs runs the report rules' again)."""
     def make(out: Path) -> None:
         work = workflow_copy(out / "run")
         # ~6 min on 2 idle cores; the other xdist worker's tests share those cores meanwhile
-        proc = snakemake(work, "results/report.html", "--config", "preset=smoke", timeout=1800)
+        proc = snakemake(work, "results/report.html", "--config", "preset=smoke", "--skip-script-cleanup", timeout=1800)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
     return once(tmp_path_factory, "smoke", make) / "run"

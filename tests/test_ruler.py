@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache
 from importlib import resources
 from pathlib import Path
 
@@ -165,14 +166,17 @@ def test_unknown_task_names_the_right_ones():
         ruler.task_config("niah_single")
 
 
-def rulers_postprocess(prediction: str) -> str:
-    """RULER's postprocess_pred, run from its eval/evaluate.py (which parses its arguments when imported)."""
+@cache
+def rulers_postprocess(predictions: tuple[str, ...]) -> list[str]:
+    """RULER's postprocess_pred of each prediction, run from its eval/evaluate.py (which parses its arguments when
+    imported), in one subprocess for all of them."""
     path = resources.files("long_context_eval").joinpath("eval", "evaluate.py")
-    code = (f"import sys, runpy; sys.argv = ['evaluate.py', '--data_dir', '.']; "
-            f"g = runpy.run_path({str(path)!r}); print(repr(g['postprocess_pred'](sys.stdin.read(), {{}})))")
-    out = subprocess.run([sys.executable, "-c", code], input=prediction, capture_output=True, text=True, timeout=120)
+    code = (f"import json, sys, runpy; sys.argv = ['evaluate.py', '--data_dir', '.']; g = runpy.run_path({str(path)!r}); "
+            f"print(json.dumps([g['postprocess_pred'](p, {{}}) for p in json.load(sys.stdin)]))")
+    out = subprocess.run([sys.executable, "-c", code], input=json.dumps(predictions), capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    return eval(out.stdout.strip())  # the repr of a str
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 PREDICTIONS = [
@@ -191,7 +195,7 @@ def test_scoring_equals_rulers_metric(metric):
     from long_context_eval.eval.synthetic.constants import string_match_all_per_sample, string_match_part_per_sample
 
     theirs = {"string_match_all": string_match_all_per_sample, "string_match_part": string_match_part_per_sample}[metric]
-    cleaned = [rulers_postprocess(p) for p, _ in PREDICTIONS]
+    cleaned = rulers_postprocess(tuple(p for p, _ in PREDICTIONS))
     expected = theirs(cleaned, [gold for _, gold in PREDICTIONS])
     ours = [100 * score(metric, p, gold) for p, gold in PREDICTIONS]
     assert ours == pytest.approx(expected)
