@@ -12,7 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# pytest-xdist's workers, and the programs they start, share the machine's cores: one torch (OpenMP) thread each. Two
+# processes of two threads each on two cores ran a decode-sized matmul loop 7x slower than of one thread each (50 s
+# against 7 s), their threads waiting on each other's; alone, a second thread gained 8%.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
 # Without CUDA, Triton kernels run in its CPU interpreter. The flag is read when triton.language is first
 # imported (its standard library is decorated then), so it is set here, before any test module imports triton.

@@ -40,7 +40,7 @@ def test_engine_answers_equal_kvpress_pipeline_snapkv_1k(qwen_dir, tmp_path):
     run = {
         "methods": build({"full": {"kind": "full"}, "snapkv": {"kind": "kvpress", "press": "SnapKVPress", "kwargs": {"window_size": 64, "kernel_size": 5}}}),
         "budgets": [0.5, 0.25], "question_modes": ["agnostic"], "max_new_tokens": 12,
-        "dtype": "float32", "device": "cpu", "threads": 2,
+        "dtype": "float32", "device": "cpu", "threads": 1,
     }
     spec = {"kind": "niah", "depths": [0.5], "samples": 1, "seed": 0, "haystack": "noise", "keys": 1, "values": 1,
             "queries": 1, "question_position": "after"}
