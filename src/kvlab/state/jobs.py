@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvlab.methods import Method, for_task, with_calibration
 from kvlab.models.card import read_card
+from kvlab.state.memory import DTYPE_BYTES
 
 RUN_KEYS = ("budgets", "question_modes", "max_new_tokens", "noise_floor_samples", "dtype", "device")
 
@@ -63,7 +64,6 @@ MEM_RUNTIME_MB = 1400  # the process less its model and context: 9.4 GB less 2.0
 TOKEN_COPIES = 14  # what a context token holds, in its hidden state and K/V per layer: 1.5 MB at 4-8K (110.6 KB each)
 MEM_HEADROOM = 1.25  # above the estimate: the measurements' spread, the variants and tasks they did not cover
 CUDA_HOST_MB = 8000  # on a GPU the weights, caches and activations sit in device memory (weights load straight there)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: sized for fp32, where bf16 is not native
 
 
 def eval_mem_mb(card: dict, dtype: str, device: str, context_tokens: int, dtype_floor: bool = False) -> int:
@@ -79,7 +79,7 @@ def eval_mem_mb(card: dict, dtype: str, device: str, context_tokens: int, dtype_
         return CUDA_HOST_MB
     if not context_tokens:
         return MEM_FLOOR_MB
-    size = DTYPE_BYTES[dtype]
+    size = 4 if dtype == "auto" else DTYPE_BYTES[dtype]  # auto: sized for fp32, where bf16 is not native
     weights = card["n_params"] * size
     floor = card["n_params"] * (4 if size == 2 else 2) if dtype_floor else 0
     width = card["num_layers"] * (card["hidden_size"] + 2 * card["num_kv_heads"] * card["head_dim"]) * size
