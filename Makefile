@@ -64,7 +64,8 @@ report: setup
 smoke: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.html --config preset=smoke $(SMK_ARGS)
 
-# -n: spread over $(CORES) worker processes (pytest-xdist); the models and the smoke run are made once and shared by
+# -n: spread over $(CORES) worker processes (pytest-xdist), each at one torch thread (tests/conftest.py: two threads
+# per worker on shared cores ran 8x slower); the models and the smoke run are made once and shared by
 # the workers (tests/conftest.py `once`); --dist loadgroup keeps the few tests that run Snakemake in the smoke run's
 # folder on one worker (the xdist group "smoke"); --durations: the 25 slowest tests, printed with every run
 test: setup system

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 # pytest-xdist's workers, and the programs they start, share the machine's cores: one torch (OpenMP) thread each. Two
-# processes of two threads each on two cores ran a decode-sized matmul loop 7x slower than of one thread each (50 s
-# against 7 s), their threads waiting on each other's; alone, a second thread gained 8%.
+# processes of two threads each on two AVX2 cores ran a decode-sized fp32 loop 8x slower than of one thread each
+# (43.3 s against 5.3 s), their threads waiting on each other's; alone, a second thread gained 1%
+# (benchmarks/oversubscribed_threads.py).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
