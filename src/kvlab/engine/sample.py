@@ -146,7 +146,7 @@ def evaluate_samples(
     if sum(v.kind == "full" for v in variants) != 1:
         raise ValueError("the engine needs exactly one 'full' variant as the reference for KL")
     shared = Shared(model, tokenizer, variants, next(i for i, v in enumerate(variants) if v.kind == "full"), max_new_tokens,
-                    reading.kl, scope.open_modes, scope.waves)
+                    reading, scope)
     plans = [plan(model, sample, modes) for sample in samples]
     full = _full_answers(shared, plans, [reading.kl and reading.noise(i) for i in range(len(plans))])
     pending: list[Pending] = []  # the measured full rows' noise floors, filled in once every sample's rows are made
@@ -189,16 +189,15 @@ def _floors(model, pending: list[Pending], owner: list[int], reading: Reading) -
 @dataclass
 class Shared:
     """What every sample of one `evaluate_samples` call shares: the model and tokenizer, the variants (the reference
-    at `ref`), the decoding cap, whether KL is read, the modes each variant still needs and the memory waves."""
+    at `ref`), the decoding cap, what is read beside the answers (`reading`) and what the job asks (`scope`)."""
 
     model: object
     tokenizer: object
     variants: list[Variant]
     ref: int
     max_new_tokens: int
-    kl: bool
-    open_modes: dict | None
-    waves: object
+    reading: Reading
+    scope: Scope
 
 
 @dataclass
@@ -358,11 +357,12 @@ def _sample_rows(shared: Shared, pl: Plan, full: FullAnswers, pending: list[Pend
 
 def _compressed(shared: Shared, pl: Plan, key: str, labelled: dict, full: FullAnswers) -> Compression:
     """The compression `key` of a sample by the variants that need one of its `labelled` turns' modes (`_needed`),
-    wave by wave (`shared.waves`, kvlab.state.memory plans them under the job's budget; None: one wave); each row is
+    wave by wave (`shared.scope.waves`, kvlab.state.memory plans them under the job's budget; None: one wave); each row is
     what one wave of every variant gives (tests/test_memory.py)."""
-    variants, ref = _needed(shared.variants, shared.ref, {m for ms in labelled.values() for m in ms}, shared.open_modes)
+    variants, ref = _needed(shared.variants, shared.ref, {m for ms in labelled.values() for m in ms}, shared.scope.open_modes)
     base = pl.bases[key][0]
-    groups = shared.waves(variants, ref, base.length) if shared.waves is not None else [list(range(len(variants)))]
+    waves = shared.scope.waves
+    groups = waves(variants, ref, base.length) if waves is not None else [list(range(len(variants)))]
     comp = Compression(key, base, variants, ref, groups, [None] * len(variants), [0.0] * len(variants))
     for wave in groups:
         if len(groups) > 1:  # the last phase's or wave's freed memory handed back first (`hardware.hand_back`):
@@ -418,7 +418,7 @@ def _turn(shared: Shared, pl: Plan, caches: list, ref: int, number: int, key: st
     """One turn on one wave's caches (the reference's at `ref`): verified along the full cache's answer `path`
     (diverged rows decoded later: with other samples', or, with several waves, at the wave's end), or, for prose,
     every row decoded and read along the sample's reference text."""
-    model, max_new_tokens, kl = shared.model, shared.max_new_tokens, shared.kl
+    model, max_new_tokens, kl = shared.model, shared.max_new_tokens, shared.reading.kl
     sample, p = pl.sample, pl.sample.prompt
     base = pl.bases[key][0]
     div, logp_ref, path_read, run, decoded = [{} for _ in caches], None, None, None, None
