@@ -17,12 +17,13 @@ import pytest
 # processes of two threads each on two AVX2 cores ran a decode-sized fp32 loop 8x slower than of one thread each
 # (43.3 s against 5.3 s), their threads waiting on each other's; alone, a second thread gained 1%
 # (benchmarks/oversubscribed_threads.py).
-if os.environ.get("PYTEST_XDIST_WORKER"):
+SHARED_CORES = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if SHARED_CORES:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 import torch  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
+if SHARED_CORES:
     torch.set_num_threads(1)  # in case a plugin imported torch before the variable was set
 
 # Without CUDA, Triton kernels run in its CPU interpreter. The flag is read when triton.language is first
@@ -192,7 +193,7 @@ def smoke_run(tmp_path_factory) -> Path:
     Snakemake's generated job scripts stay in .snakemake/scripts (test_envs runs the report rules' again)."""
     def make(out: Path) -> None:
         work = workflow_copy(out / "run")
-        # ~6 min on 2 idle cores; the other xdist worker's tests share those cores meanwhile
+        # 2:24 on 2 idle cores (two 1-thread jobs at once); the other xdist worker's tests share those cores meanwhile
         proc = snakemake(work, "results/report.html", "--config", "preset=smoke", "--skip-script-cleanup", timeout=1800)
         assert proc.returncode == 0, proc.stderr[-4000:]
 
